@@ -1,0 +1,36 @@
+# `make test`: set up a local .venv (torch pinned, C++ extension built) and run the tests.
+# `make demo`: the same setup, then a 2-rank training run on this machine.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# Pinned: a bare `torch` would pull a multi-GB CUDA build. Override where another torch is
+# preinstalled, e.g. `make test TORCH=` to keep it.
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.installed-$(subst =,_,$(TORCH))
+SOURCES := setup.py $(wildcard csrc/*/*.cpp)
+
+.PHONY: setup test demo bench docs clean
+
+$(STAMP): $(SOURCES)
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH) numpy pytest hypothesis ninja psutil
+	$(PY) -m pip install -q -e . --no-build-isolation
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+test: setup
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+
+demo: setup
+	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node=2 \
+		-m zeroengine.examples.demo configs/zero2.json
+
+bench: setup
+	$(PY) benchmarks/step_bench.py
+
+docs: setup
+	$(PY) -c "from zeroengine.config import reference_markdown as r; print(r(), end=\"\")" > docs/config.md
+
+clean:
+	rm -rf $(VENV) build *.egg-info zeroengine/*.so

@@ -1,0 +1,65 @@
+"""Run a function on N local ranks (separate processes, gloo) and collect what each returns.
+
+The function must be importable (module level) and its arguments and result picklable. Each rank
+gets the torchrun environment variables, so zeroengine.init_distributed() finds its group the
+way it would under torchrun. One thread per rank keeps N ranks from fighting over 2 cores.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world_size, port, fn, args, queue):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    import torch
+    torch.set_num_threads(1)
+    try:
+        result = fn(*args)
+        # Plain pickle: torch's queue would share tensor memory that dies with this process.
+        queue.put((rank, True, pickle.dumps(result)))
+    except BaseException:  # report everything, including assertion failures, to the parent
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(world_size: int, fn, *args, timeout: float = 300.0) -> list:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    errors = []
+    try:
+        for _ in range(world_size):
+            rank, ok, value = queue.get(timeout=timeout)
+            if ok:
+                results[rank] = pickle.loads(value)
+            else:
+                errors.append(f"rank {rank} failed:\n{value}")
+                break  # the others may now hang in a collective
+    finally:
+        for p in procs:
+            p.join(timeout=5 if errors else 30)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results[r] for r in range(world_size)]

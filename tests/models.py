@@ -1,0 +1,106 @@
+"""A small model with every awkward feature the engine must handle, its data, and the
+single-process plain-PyTorch reference training loop the engine is compared against."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+VOCAB, DIM, HIDDEN = 11, 9, 17
+
+
+class AwkwardNet(nn.Module):
+    """Tied embedding/head, a frozen layer, a layer that never gets a gradient, a buffer,
+    and sizes that divide no world size."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.frozen = nn.Linear(DIM, DIM)
+        self.frozen.requires_grad_(False)
+        self.body = nn.Sequential(nn.Linear(DIM, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, DIM))
+        self.norm = nn.LayerNorm(DIM)
+        self.unused = nn.Linear(3, 5)  # never called: its gradient is absent (counts as zero)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.embed.weight  # tied
+        self.register_buffer("scale", torch.tensor(1.5))
+
+    def forward(self, tokens):
+        h = self.embed(tokens) * self.scale
+        h = h + self.frozen(h)
+        return self.head(self.norm(self.body(h)))
+
+
+def make_model(seed: int = 0) -> AwkwardNet:
+    torch.manual_seed(seed)
+    return AwkwardNet()
+
+
+def batch(step: int, micro: int, rank: int, size: int = 4, length: int = 5):
+    g = torch.Generator().manual_seed(1_000_000 + step * 10_000 + micro * 100 + rank)
+    tokens = torch.randint(0, VOCAB, (size, length), generator=g)
+    targets = torch.randint(0, VOCAB, (size, length), generator=g)
+    return tokens, targets
+
+
+def loss_fn(logits, targets):
+    return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def param_groups(model, lr=0.01):
+    """Two groups with their own hyperparameters: matrices decay, vectors do not."""
+    decay = [p for p in model.parameters() if p.dim() >= 2 and p.requires_grad]
+    other = [p for p in model.parameters() if p.dim() < 2 and p.requires_grad]
+    return [{"params": decay, "weight_decay": 0.1},
+            {"params": other, "weight_decay": 0.0, "lr": lr * 2}]
+
+
+def make_optimizer(name: str, params, lr=0.01):
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95))
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    raise ValueError(name)
+
+
+def reference_train(optimizer_name: str, world_size: int, steps: int, accumulation: int,
+                    clip: float, seed: int = 0):
+    """Plain single-process training on the same global batches: per step, the gradient is the
+    mean over all ranks' and micro-steps' batches."""
+    model = make_model(seed)
+    opt = make_optimizer(optimizer_name, param_groups(model))
+    # A parameter that gets no gradient counts as a zero gradient (as in DeepSpeed), not as
+    # "skip this parameter" (torch's meaning of grad None): give every trainable one a tensor.
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    for step in range(steps):
+        opt.zero_grad(set_to_none=False)
+        for micro in range(accumulation):
+            for rank in range(world_size):
+                tokens, targets = batch(step, micro, rank)
+                loss = loss_fn(model(tokens), targets) / (world_size * accumulation)
+                loss.backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
+                                           clip)
+        opt.step()
+    return {k: v.detach().clone().float() for k, v in model.state_dict().items()}
+
+
+def max_relative_error(a: dict, b: dict) -> tuple[float, str]:
+    """Largest per-tensor max|a-b| / max|b| over a state dict, and where it is."""
+    worst, where = 0.0, ""
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    for k in b:
+        denom = b[k].abs().max().clamp_min(1e-12)
+        err = ((a[k].float() - b[k].float()).abs().max() / denom).item()
+        if err > worst:
+            worst, where = err, k
+    return worst, where
+
+
+def clone_model(model):
+    return copy.deepcopy(model)

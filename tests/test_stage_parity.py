@@ -1,0 +1,94 @@
+"""Stages 0-2 at world sizes 1-3 give the parameters of single-process PyTorch training on the
+same global batches: two param groups, AdamW and SGD-momentum, accumulation and clipping, tied,
+frozen and unused parameters, tiny buckets and one big bucket."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from distributed import run_ranks
+from models import batch, loss_fn, make_model, make_optimizer, max_relative_error, \
+    param_groups, reference_train
+
+STEPS = 4
+CASES = [dict(stage=s, opt=o, accumulation=a, clip=c, bucket=b)
+         for s, o, (a, c), b in itertools.product(
+             (0, 1, 2), ("adamw", "sgd"), ((1, 0.0), (2, 0.05)), (40, 10_000_000))]
+
+
+def case_id(c):
+    return f"stage{c['stage']}-{c['opt']}-acc{c['accumulation']}-clip{c['clip']}-b{c['bucket']}"
+
+
+def train_cases(cases, drop_in=False):
+    """Runs on every rank: train each case with the engine, return consolidated states."""
+    import zeroengine
+    out = []
+    for c in cases:
+        model = make_model(seed=0)
+        opt = make_optimizer(c["opt"], param_groups(model))
+        config = {"gradient_accumulation_steps": c["accumulation"],
+                  "gradient_clipping": c["clip"],
+                  "zero_optimization": {"stage": c["stage"], "reduce_bucket_size": c["bucket"]}}
+        engine = zeroengine.initialize(model, config, optimizer=opt)
+        rank = engine.comm.rank
+        for step in range(STEPS):
+            for micro in range(c["accumulation"]):
+                tokens, targets = batch(step, micro, rank)
+                loss = loss_fn(engine(tokens), targets)
+                if drop_in:  # a plain torch loop on the wrapped model
+                    loss.backward()
+                else:
+                    engine.backward(loss)
+                    engine.step()
+            if drop_in:
+                engine.optimizer.step()
+                engine.optimizer.zero_grad()
+        assert engine.global_steps == (0 if drop_in else STEPS)
+        out.append((engine.consolidated_state_dict(), engine.get_global_grad_norm()))
+        engine.reducer.remove_hooks()
+    return out
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda w: f"world{w}")
+def trained(request):
+    world = request.param
+    results = run_ranks(world, train_cases, CASES)
+    return world, results
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_matches_single_process_reference(trained, case):
+    world, results = trained
+    index = CASES.index(case)
+    expected = reference_train(case["opt"], world, STEPS, case["accumulation"], case["clip"])
+    for rank, per_rank in enumerate(results):
+        state, norm = per_rank[index]
+        err, where = max_relative_error(state, expected)
+        assert err <= 1e-5, f"rank {rank}: max relative error {err:.2e} at {where}"
+        assert norm is not None and norm > 0
+
+
+DROP_IN = [dict(stage=s, opt="adamw", accumulation=1, clip=0.0, bucket=40) for s in (0, 1, 2)]
+
+
+def test_drop_in_torch_loop_matches_reference():
+    """loss.backward(); optimizer.step(); optimizer.zero_grad() on the wrapped model."""
+    results = run_ranks(2, train_cases, DROP_IN, True)
+    expected = reference_train("adamw", 2, STEPS, 1, 0.0)
+    for case_index, case in enumerate(DROP_IN):
+        for rank in range(2):
+            err, where = max_relative_error(results[rank][case_index][0], expected)
+            assert err <= 1e-5, f"stage {case['stage']} rank {rank}: {err:.2e} at {where}"
+
+
+def test_world_size_one_needs_no_launcher(monkeypatch):
+    """No launcher variables at all: a single process, no process group."""
+    for key in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    [(state, _)] = train_cases([dict(stage=2, opt="sgd", accumulation=2, clip=0.05, bucket=40)])
+    err, where = max_relative_error(state, reference_train("sgd", 1, STEPS, 2, 0.05))
+    assert err <= 1e-5, f"{err:.2e} at {where}"
+    assert not torch.distributed.is_initialized()

@@ -1,0 +1,110 @@
+"""zeroengine: ZeRO-style sharding of model states for any nn.Module and elementwise optimizer.
+
+    engine = zeroengine.initialize(model, "config.json")
+    for batch in data:
+        loss = loss_fn(engine(batch))
+        engine.backward(loss)
+        engine.step()
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+import torch.nn as nn
+
+from .comm import Comm, init_distributed
+from .config import Config, ConfigError, parse_config, resolve_auto
+from .engine import ZeroEngine
+from .optim_factory import check_elementwise, optimizer_from_config
+from .schedulers import scheduler_from_config
+
+__version__ = "0.1.0"
+__all__ = ["initialize", "init_distributed", "ZeroEngine", "ConfigError", "Config",
+           "parse_config", "__version__"]
+
+
+def _refuse_unimplemented(cfg: Config) -> None:
+    zero = cfg.zero_optimization
+    if zero.stage == 3:
+        raise ConfigError("zero_optimization.stage 3 is not implemented yet; use stage 0, 1 or 2")
+    for key in ("offload_optimizer", "offload_param"):
+        if getattr(zero, key).device != "none":
+            raise ConfigError(f"zero_optimization.{key}.device 'cpu' is not implemented yet; "
+                              "set it to 'none'")
+    for key in ("fp16", "bf16"):
+        if getattr(cfg, key).enabled:
+            raise ConfigError(f"{key}.enabled: mixed precision is not implemented yet; train in "
+                              "fp32 (remove the section or set enabled to false)")
+
+
+def _device(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def _prepare_optimizer(model: nn.Module, cfg: Config, optimizer) -> torch.optim.Optimizer:
+    if optimizer is not None and cfg.optimizer is not None:
+        raise ConfigError("an optimizer was passed to initialize() and the config has an "
+                          "'optimizer' section too; keep one of them")
+    if optimizer is None:
+        if cfg.optimizer is None:
+            raise ConfigError("no optimizer: pass one to initialize(model, config, optimizer=...) "
+                              "or add an 'optimizer' section to the config, e.g. "
+                              '{"type": "AdamW", "params": {"lr": 1e-3}}')
+        return optimizer_from_config(cfg.optimizer, model.parameters())
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    check_elementwise(type(optimizer))
+    names = {id(p): n for n, p in model.named_parameters()}
+    in_optimizer = set()
+    for gi, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ValueError(f"optimizer param_groups[{gi}] holds a parameter of shape "
+                                 f"{tuple(p.shape)} that is not a parameter of the model; build "
+                                 "the optimizer over model.parameters()")
+            in_optimizer.add(id(p))
+    left_out = [n for n, p in model.named_parameters() if p.requires_grad
+                and id(p) not in in_optimizer]
+    if left_out:
+        warnings.warn(f"{len(left_out)} trainable parameters are not in the optimizer and will "
+                      f"not be updated or reduced (first: {left_out[0]})", stacklevel=3)
+    if any(optimizer.state.values()):
+        warnings.warn("the optimizer already has state; zeroengine re-creates it on the shards "
+                      "(load a checkpoint to restore state)", stacklevel=3)
+    return optimizer
+
+
+def initialize(model: nn.Module, config, optimizer: torch.optim.Optimizer | None = None,
+               lr_scheduler=None) -> ZeroEngine:
+    """Wrap ``model`` for sharded data-parallel training as ``config`` describes.
+
+    ``config``: path to a JSON file, a dict, or a parsed Config. ``optimizer``: one built over
+    ``model.parameters()`` (its class and hyperparameters are kept, its state re-created on the
+    shards), or None to build the config's. ``lr_scheduler``: a torch scheduler over that
+    optimizer, or None to build the config's "scheduler" (if any).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    cfg = parse_config(config)  # all validation that needs no peers happens before any collective
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("the model has no trainable parameters (requires_grad=True); nothing "
+                         "to train")
+    env = init_distributed()
+    comm = Comm()
+    first = next(model.parameters())
+    resolve_auto(cfg, comm.world_size, str(first.dtype).replace("torch.", ""))
+    _refuse_unimplemented(cfg)
+    device = _device(env.local_rank)
+    model.to(device)
+    optimizer = _prepare_optimizer(model, cfg, optimizer)
+    if lr_scheduler is None:
+        lr_scheduler = scheduler_from_config(cfg.scheduler, optimizer)
+    elif cfg.scheduler is not None:
+        raise ConfigError("an lr_scheduler was passed to initialize() and the config has a "
+                          "'scheduler' section too; keep one of them")
+    return ZeroEngine(model, optimizer, cfg, comm, device, lr_scheduler)

@@ -1,0 +1,239 @@
+"""Gradient buckets: reduce each segment's gradient as soon as backward has produced it.
+
+One ``Bucket`` per segment of every FlatParamGroup. A post-accumulate-grad hook on each
+parameter marks it ready; when a bucket is complete its collective is launched asynchronously
+(``start_reduce``) while autograd computes the rest of backward, and the end-of-backward callback
+launches what is left and waits (``finish_reduce``).
+
+Ordering: every rank must issue the same collectives in the same order, even when a parameter
+gets no gradient on one rank only. Buckets are therefore launched strictly in a fixed order (the
+order backward usually completes them); a bucket that is ready early waits for its
+predecessors, and at the end of backward the rest are launched in order, absent gradients
+counting as zero.
+
+Where gradients live, by stage:
+- 0 and 1: a persistent full-size flat gradient buffer per group; each ``param.grad`` is a view
+  into it, so autograd accumulates micro-steps in place. Communication happens only in the
+  backward of the accumulation boundary: all-reduce (stage 0) or reduce-scatter into the rank's
+  owned shard (stage 1).
+- 2: no full buffer. A hook copies ``param.grad`` into its bucket's staging tensor and drops it;
+  every micro-step's buckets are reduce-scattered and added into the owned shard, and staging is
+  freed, so gradient memory per rank is ~1/N plus the buckets in flight.
+"""
+from __future__ import annotations
+
+import torch
+
+from .comm import Comm, Handle
+from .flat import FlatBuffer, shard_segment_views
+from .partition import FlatParamGroup
+
+
+class Bucket:
+    def __init__(self, group: FlatParamGroup, segment: int):
+        self.group = group
+        self.segment = segment
+        self.param_indices = group.layout.segments[segment].params
+        self.ready: set[int] = set()
+        self.launched = False
+        self.staging: torch.Tensor | None = None  # stage 2
+        self.handle: Handle | None = None
+        self.finish = None  # callable run after the handle completes
+
+
+class GradReducer:
+    def __init__(self, groups: list[FlatParamGroup], comm: Comm, stage: int,
+                 accumulation_steps: int, overlap: bool = True, reduce_scatter: bool = True,
+                 param_order: dict[int, int] | None = None):
+        self.groups = groups
+        self.comm = comm
+        self.stage = stage
+        self.accumulation_steps = accumulation_steps
+        self.overlap = overlap
+        self.use_reduce_scatter = reduce_scatter
+        self.buckets = [Bucket(g, s) for g in groups for s in range(len(g.layout.segments))]
+        # Launch order: by when backward completes a bucket, i.e. by the position of its
+        # earliest-registered parameter (backward runs roughly in reverse registration order).
+        if param_order is not None:
+            self.buckets.sort(key=lambda b: -min(param_order[id(b.group.params[i])]
+                                                 for i in b.param_indices))
+        self._where: dict[int, tuple[Bucket, int]] = {}
+        for b in self.buckets:
+            for i in b.param_indices:
+                self._where[id(b.group.params[i])] = (b, i)
+
+        device = groups[0].data.device if groups else torch.device("cpu")
+        # Full-size gradient buffers (stages 0-1); param.grad are views into them.
+        self.full_grads: list[FlatBuffer | None] = []
+        for g in groups:
+            if stage <= 1:
+                buf = FlatBuffer(g.layout, g.dtype, device)
+                for i, p in enumerate(g.params):
+                    p.grad = buf.param_view(i)
+                self.full_grads.append(buf)
+            else:
+                self.full_grads.append(None)
+        # The rank's reduced gradient shard (stages >= 1); stage 0 reads the full buffer.
+        self.owned: list[torch.Tensor | None] = [
+            torch.zeros(g.layout.shard_numel, dtype=g.dtype, device=device) if stage >= 1
+            else None for g in groups]
+        self._owned_valid = [False] * len(groups)  # False: owned holds nothing this boundary
+        self._hooks = []
+        for g in groups:
+            for p in g.params:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+        self._in_backward = False
+        self._reduce_now = False
+        self._next_launch = 0
+        self.backwards_since_step = 0
+        self._unreduced = False  # stages 0-1: local gradients not yet reduced
+
+    # -- backward-time ------------------------------------------------------------------------
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if not self._in_backward:
+            self._begin_backward()
+        bucket, index = self._where[id(param)]
+        if index in bucket.ready:
+            raise RuntimeError(
+                f"parameter {tuple(param.shape)} received its gradient twice in one backward "
+                "pass; zeroengine reduces each parameter once per backward (reentrant "
+                "checkpointing does this: use torch.utils.checkpoint(..., use_reentrant=False))")
+        g = bucket.group
+        if self.stage <= 1:
+            view = self.full_grads[g.group_index].param_view(index)
+            if param.grad is not view:
+                # The user replaced or cleared .grad (e.g. model.zero_grad()): autograd made a new
+                # tensor holding the whole accumulated gradient; move it back into the buffer.
+                view.copy_(param.grad)
+                param.grad = view
+        else:
+            if bucket.staging is None:
+                bucket.staging = torch.zeros(g.layout.segments[bucket.segment].numel,
+                                             dtype=g.dtype, device=g.data.device)
+            slot = g.layout.slots[index]
+            start = slot.offset - g.layout.segments[bucket.segment].start
+            bucket.staging[start:start + slot.numel].copy_(param.grad.reshape(-1))
+            param.grad = None
+        bucket.ready.add(index)
+        if self._reduce_now and self.overlap:
+            self._launch_ready()
+
+    def _begin_backward(self) -> None:
+        self._in_backward = True
+        self._reduce_now = self.stage >= 2 or \
+            (self.backwards_since_step + 1) % self.accumulation_steps == 0
+        self._next_launch = 0
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _launch_ready(self) -> None:
+        while self._next_launch < len(self.buckets):
+            b = self.buckets[self._next_launch]
+            if len(b.ready) < len(b.param_indices):
+                return
+            self._start_reduce(b)
+            self._next_launch += 1
+
+    def _end_backward(self) -> None:
+        if self._reduce_now:
+            self._reduce_all()
+        else:
+            self._unreduced = True
+        for b in self.buckets:
+            b.ready.clear()
+        self.backwards_since_step += 1
+        self._in_backward = False
+
+    def _reduce_all(self) -> None:
+        """Launch every bucket not yet launched, in order, then wait for all of them."""
+        while self._next_launch < len(self.buckets):
+            self._start_reduce(self.buckets[self._next_launch])
+            self._next_launch += 1
+        for b in self.buckets:
+            self._finish_reduce(b)
+        self._unreduced = False
+
+    # -- one bucket -----------------------------------------------------------------------------
+    def _start_reduce(self, b: Bucket) -> None:
+        g = b.group
+        gi = g.group_index
+        seg = g.layout.segments[b.segment]
+        if self.stage <= 1:
+            source = self.full_grads[gi].segment_view(b.segment)
+        else:
+            if b.staging is None:  # no parameter of this bucket got a gradient here
+                b.staging = torch.zeros(seg.numel, dtype=g.dtype, device=g.data.device)
+            source = b.staging
+        if self.stage == 0:
+            b.handle = self.comm.all_reduce(source, "avg", async_op=True)
+            b.finish = None
+        else:
+            owned = self.owned[gi][seg.shard_offset:seg.shard_offset + seg.chunk_numel]
+            accumulate = self._owned_valid[gi]
+            out = torch.empty_like(owned) if accumulate else owned
+            if self.use_reduce_scatter:
+                b.handle = self.comm.reduce_scatter(out, source, "avg", async_op=True)
+            else:
+                scratch = source.clone()
+                handle = self.comm.all_reduce(scratch, "avg", async_op=True)
+                b.handle = Handle(None, lambda: (handle.wait(), out.copy_(
+                    scratch[g.rank * seg.chunk_numel:(g.rank + 1) * seg.chunk_numel])))
+
+            def finish(owned=owned, out=out, accumulate=accumulate):
+                if accumulate:
+                    owned.add_(out)
+                b.staging = None  # stage 2: the bucket's memory goes back
+            b.finish = finish
+        b.launched = True
+
+    def _finish_reduce(self, b: Bucket) -> None:
+        if not b.launched:
+            return
+        b.handle.wait()
+        if b.finish is not None:
+            b.finish()
+        b.handle, b.finish, b.launched = None, None, False
+        if self.stage >= 1:
+            self._owned_valid[b.group.group_index] = True
+
+    # -- step-time --------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Make the reduced gradients final: reduce what backward left local (stages 0-1, when
+        step() comes before the configured boundary) and zero shards no backward wrote."""
+        if self._in_backward:
+            raise RuntimeError("optimizer step called during backward")
+        if self._unreduced:
+            self._next_launch = 0
+            self._reduce_all()
+        for gi, owned in enumerate(self.owned):
+            if owned is not None and not self._owned_valid[gi]:
+                owned.zero_()
+                self._owned_valid[gi] = True
+
+    def owned_grad_segments(self, group: FlatParamGroup) -> list[torch.Tensor]:
+        """The reduced gradient of every chunk the rank owns, aligned with master_segments."""
+        gi = group.group_index
+        if self.stage == 0:
+            buf = self.full_grads[gi]
+            return [buf.segment_view(s) for s in range(len(group.layout.segments))]
+        return shard_segment_views(self.owned[gi], group.layout)
+
+    def zero_grad(self) -> None:
+        for buf in self.full_grads:
+            if buf is not None:
+                buf.data.zero_()
+        # Owned shards are overwritten by the next reduce-scatter: no pass over memory needed.
+        self._owned_valid = [False] * len(self.groups)
+        self.backwards_since_step = 0
+        self._unreduced = False
+
+    def nbytes(self) -> int:
+        total = sum(b.data.numel() * b.data.element_size() for b in self.full_grads if b)
+        total += sum(o.numel() * o.element_size() for o in self.owned if o is not None)
+        total += sum(b.staging.numel() * b.staging.element_size() for b in self.buckets
+                     if b.staging is not None)
+        return total
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

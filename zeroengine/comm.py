@@ -1,0 +1,201 @@
+"""The only module that talks to torch.distributed.
+
+Collectives are issued through a ``Comm`` object that (1) picks, once, the primitive the installed
+torch offers on the active backend (``*_single`` names on new torch, ``*_tensor`` names on older,
+list-based fallbacks where gloo lacks both), (2) returns a handle whose ``wait()`` also runs any
+fix-up a fallback needs, and (3) counts bytes per collective kind for ``comm_report()``.
+
+Byte accounting uses the ring-algorithm cost that NCCL and gloo both approach: for a tensor of B
+bytes over N ranks, reduce-scatter and all-gather each send and receive B*(N-1)/N per rank,
+all-reduce twice that. It is what the ZeRO paper's communication volumes are stated in.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from collections import defaultdict
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from .launch_env import LaunchEnv, read_launch_env
+
+_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(timeout_s: float | None = None) -> LaunchEnv:
+    """Join the process group described by the launcher's environment variables.
+
+    A no-op when a default group already exists (Ray Train, a user who called
+    ``init_process_group`` first). With no launcher variables at all this is a single process and
+    no group is created: every collective is then a local no-op.
+    """
+    env = read_launch_env(os.environ)
+    if dist.is_available() and dist.is_initialized():
+        return env
+    if env.launcher == "none":
+        return env
+    backend = default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(env.local_rank)
+    kwargs = {}
+    if timeout_s is not None:
+        kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+    if env.restart_count is not None:
+        # After a torchrun restart, a group built from env:// reuses the old rendezvous keys and
+        # gloo dials dead workers (pytorch issues 135712, 167288). A per-restart key prefix on
+        # the agent's store gives every incarnation a clean namespace.
+        store = dist.TCPStore(env.master_addr, env.master_port, is_master=False,
+                              timeout=datetime.timedelta(seconds=timeout_s or 300))
+        store = dist.PrefixStore(f"restart{env.restart_count}", store)
+        dist.init_process_group(backend, store=store, rank=env.rank,
+                                world_size=env.world_size, **kwargs)
+    else:
+        os.environ.setdefault("MASTER_ADDR", env.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(env.master_port))
+        dist.init_process_group(backend, init_method="env://", rank=env.rank,
+                                world_size=env.world_size, **kwargs)
+    return env
+
+
+class Handle:
+    """An in-flight collective; ``wait()`` blocks until its result is usable."""
+
+    def __init__(self, work=None, after: Callable[[], None] | None = None):
+        self._work, self._after = work, after
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if self._after is not None:
+            after, self._after = self._after, None
+            after()
+
+
+def _pick(*names: str):
+    for name in names:
+        fn = getattr(dist, name, None)
+        if fn is not None:
+            return fn
+    return None
+
+
+class Comm:
+    """Collectives over one process group (the default group unless told otherwise)."""
+
+    def __init__(self, group=None):
+        self.group = group
+        self.active = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank(group) if self.active else 0
+        self.world_size = dist.get_world_size(group) if self.active else 1
+        self.backend = dist.get_backend(group) if self.active else "none"
+        self._bytes: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])  # sent, recv, calls
+        self._all_gather = _pick("all_gather_single", "all_gather_into_tensor")
+        self._reduce_scatter = _pick("reduce_scatter_single", "reduce_scatter_tensor")
+        self._avg_ok = True  # gloo before torch 2.6 or so rejects ReduceOp.AVG
+
+    # -- accounting -------------------------------------------------------------------------
+    def _count(self, kind: str, nbytes: int, factor: float) -> None:
+        moved = int(nbytes * factor * (self.world_size - 1) / self.world_size)
+        entry = self._bytes[kind]
+        entry[0] += moved
+        entry[1] += moved
+        entry[2] += 1
+
+    def report(self, reset: bool = True) -> dict[str, dict[str, int]]:
+        out = {k: {"sent_bytes": v[0], "recv_bytes": v[1], "calls": v[2]}
+               for k, v in sorted(self._bytes.items())}
+        if reset:
+            self._bytes.clear()
+        return out
+
+    # -- collectives ------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Handle:
+        if self.world_size == 1:
+            return Handle()
+        self._count("all_reduce", tensor.numel() * tensor.element_size(), 2.0)
+        if op == "avg" and not self._avg_ok:
+            return self._sum_then_divide(tensor, async_op)
+        try:
+            work = dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=async_op)
+        except (RuntimeError, ValueError):
+            if op != "avg":
+                raise
+            self._avg_ok = False
+            return self._sum_then_divide(tensor, async_op)
+        return Handle(work)
+
+    def _sum_then_divide(self, tensor, async_op):
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+        return Handle(work, lambda: tensor.div_(self.world_size))
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "avg",
+                       async_op: bool = False) -> Handle:
+        """output (numel n) <- op over ranks of input[rank*n:(rank+1)*n]."""
+        if self.world_size == 1:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return Handle()
+        self._count("reduce_scatter", input.numel() * input.element_size(), 1.0)
+        reduce_op = op if (op != "avg" or self._avg_ok) else "sum"
+        if self._reduce_scatter is not None:
+            try:
+                work = self._reduce_scatter(output, input, op=_OPS[reduce_op], group=self.group,
+                                            async_op=async_op)
+                after = (lambda: output.div_(self.world_size)) if reduce_op != op else None
+                return Handle(work, after)
+            except (RuntimeError, ValueError) as err:
+                if "AVG" in str(err) or "avg" in str(err).lower():
+                    self._avg_ok = False
+                    return self.reduce_scatter(output, input, op, async_op)
+                self._reduce_scatter = None  # backend lacks it: use the all-reduce fallback
+        # Fallback (old gloo): all-reduce a copy, keep our chunk. Correct, twice the bytes.
+        scratch = input.clone()
+        handle = self.all_reduce(scratch, op, async_op)
+        n = output.numel()
+
+        def take_chunk():
+            handle.wait()
+            output.copy_(scratch[self.rank * n:(self.rank + 1) * n])
+        return Handle(None, take_chunk)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor,
+                   async_op: bool = False) -> Handle:
+        """output[r*n:(r+1)*n] <- input of rank r. ``input`` may alias its own slot in output."""
+        if self.world_size == 1:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return Handle()
+        self._count("all_gather", output.numel() * output.element_size(), 1.0)
+        if self._all_gather is not None:
+            try:
+                return Handle(self._all_gather(output, input, group=self.group,
+                                               async_op=async_op))
+            except (RuntimeError, ValueError):
+                self._all_gather = None
+        outputs = list(output.chunk(self.world_size))
+        return Handle(dist.all_gather(outputs, input.clone(), group=self.group,
+                                      async_op=async_op))
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        if self.world_size == 1:
+            return
+        self._count("broadcast", tensor.numel() * tensor.element_size(), 1.0)
+        dist.broadcast(tensor, src=src, group=self.group)
+
+    def all_gather_object(self, obj) -> list:
+        if self.world_size == 1:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.group)

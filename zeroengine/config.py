@@ -1,0 +1,407 @@
+"""The JSON config: a typed schema with DeepSpeed's key names, defaults in one place.
+
+Every field is declared once below, with its default, allowed range and a docstring; parsing,
+validation, the "did you mean" suggestions and the generated reference (``make docs`` ->
+docs/config.md) all read these declarations. This module imports nothing
+from torch, so it can be tested and used (``zeroengine check-config``) without a framework.
+
+Three kinds of keys:
+- supported: declared below and acted upon;
+- accepted without effect: declared below with ``no_effect`` saying why (e.g. DeepSpeed's
+  ``contiguous_gradients``, which is how zeroengine always works);
+- DeepSpeed keys zeroengine does not implement: listed in ``UNSUPPORTED`` with the reason;
+  they are refused by name rather than silently ignored.
+Anything else is an unknown key, refused with the closest valid names.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+AUTO = "auto"
+COMMENT_PREFIX = "_comment"  # JSON has no comments: keys starting with this are skipped
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the key path and the fix."""
+
+
+def option(default, doc: str, *, lo=None, hi=None, choices=None, auto: bool = False,
+           no_effect: str | None = None):
+    """Declare one config key: its default, documentation and allowed values."""
+    meta = dict(doc=doc, lo=lo, hi=hi, choices=choices, auto=auto, no_effect=no_effect)
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    if dataclasses.is_dataclass(default):
+        return field(default_factory=type(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class OffloadConfig:
+    device: str = option("none", "Where to keep the state: 'none' (on the training device) or "
+                         "'cpu' (host memory).", choices=("none", "cpu"))
+    pin_memory: bool = option(False, "Use page-locked host buffers (faster device<->host "
+                              "copies on CUDA; no effect on CPU-only machines).")
+    buffer_count: int = option(4, "Number of host staging buffers.", lo=1,
+                               no_effect="host buffers are sized from sub_group_size")
+    fast_init: bool = option(False, "DeepSpeed NVMe option.", no_effect="there is no NVMe path")
+
+
+@dataclass
+class ZeroConfig:
+    stage: int = option(0, "0: plain data parallel (gradients all-reduced). 1: optimizer state "
+                        "sharded. 2: + gradients sharded. 3: + parameters sharded.", lo=0, hi=3)
+    overlap_comm: bool = option(True, "Launch each gradient bucket's collective as soon as "
+                                "backward has produced it, overlapping communication with the "
+                                "rest of backward. False: all buckets are sent after backward.")
+    reduce_bucket_size: int = option(25_000_000, "Elements per gradient bucket (one "
+                                     "reduce-scatter / all-reduce each). Smaller buckets overlap "
+                                     "earlier; larger ones make fewer calls.", lo=1, auto=True)
+    allgather_bucket_size: int = option(50_000_000, "Most elements in flight at once in the "
+                                        "all-gather of updated parameters after a step.", lo=1)
+    reduce_scatter: bool = option(True, "Stages 1-2: reduce-scatter gradients to their owners. "
+                                  "False: all-reduce them and keep the owned part (twice the "
+                                  "bytes; for debugging).")
+    contiguous_gradients: bool = option(True, "Copy gradients into a contiguous buffer as they "
+                                        "are produced.", no_effect="always on: gradients are "
+                                        "always reduced from contiguous flat buffers")
+    allgather_partitions: bool = option(True, "All-gather updated partitions after a step.",
+                                        no_effect="always on")
+    round_robin_gradients: bool = option(False, "DeepSpeed CPU-offload gradient ordering.",
+                                         no_effect="partitions are segment-wise already")
+    ignore_unused_parameters: bool = option(True, "Tolerate parameters that get no gradient.",
+                                            no_effect="always tolerated: they count as zero")
+    load_from_fp32_weights: bool = option(True, "Restore master weights from the checkpoint's "
+                                          "fp32 copy.", no_effect="checkpoints always hold fp32")
+    elastic_checkpoint: bool = option(False, "DeepSpeed elastic checkpoints.",
+                                      no_effect="every checkpoint reshards on load")
+    sub_group_size: int = option(1_000_000_000, "Elements the optimizer steps at a time "
+                                 "(bounds temporary memory of the step).", lo=1)
+    offload_optimizer: OffloadConfig = option(OffloadConfig(), "Keep fp32 master weights and "
+                                              "optimizer state in host memory (stages 1-3).")
+    offload_param: OffloadConfig = option(OffloadConfig(), "Keep parameter shards in host "
+                                          "memory (stage 3).")
+    stage3_prefetch_bucket_size: int = option(50_000_000, "Stage 3: most elements fetched ahead "
+                                              "of use.", lo=0, auto=True)
+    stage3_param_persistence_threshold: int = option(100_000, "Stage 3: parameters with fewer "
+                                                     "elements stay whole on every rank.", lo=0,
+                                                     auto=True)
+    stage3_max_live_parameters: int = option(1_000_000_000, "Stage 3: most gathered elements "
+                                             "alive at once.", lo=0)
+    stage3_max_reuse_distance: int = option(1_000_000_000, "Stage 3: keep a gathered parameter "
+                                            "if it is reused within this many elements.", lo=0)
+    stage3_gather_16bit_weights_on_model_save: bool = option(
+        False, "Stage 3: gather full weights when saving.",
+        no_effect="use engine.consolidated_state_dict() or `zeroengine consolidate`")
+
+
+@dataclass
+class FP16Config:
+    enabled: bool = option(False, "Train in float16 with fp32 master weights and loss scaling. "
+                           "'auto': on when the model's parameters are float16.", auto=True)
+    loss_scale: float = option(0.0, "0: dynamic loss scaling; > 0: this static scale.", lo=0.0)
+    initial_scale_power: int = option(16, "Dynamic scaling starts at 2**initial_scale_power.",
+                                      lo=0, hi=64)
+    loss_scale_window: int = option(1000, "Clean steps before the scale doubles.", lo=1)
+    hysteresis: int = option(2, "Consecutive overflows before the scale halves.", lo=1)
+    consecutive_hysteresis: bool = option(False, "Refill hysteresis after each clean step.")
+    min_loss_scale: float = option(1.0, "The scale never drops below this; overflowing at the "
+                                   "floor is an error.", lo=0.0)
+    auto_cast: bool = option(False, "DeepSpeed's autocast of inputs.",
+                             no_effect="inputs are passed to the model unchanged")
+
+
+@dataclass
+class BF16Config:
+    enabled: bool = option(False, "Train in bfloat16 with fp32 master weights. 'auto': on when "
+                           "the model's parameters are bfloat16.", auto=True)
+
+
+@dataclass
+class OptimizerConfig:
+    type: str = option("AdamW", "Adam, AdamW, SGD, or the name of any elementwise torch.optim "
+                       "optimizer (Adagrad, RMSprop, NAdam, ...). 'Adam' follows DeepSpeed: "
+                       "decoupled weight decay unless params.adam_w_mode is false.")
+    params: dict = option({}, "Keyword arguments of the optimizer (lr, betas, eps, "
+                          "weight_decay, ...). 'auto' values take the optimizer's own defaults.")
+
+
+@dataclass
+class SchedulerConfig:
+    type: str = option("WarmupLR", "WarmupLR, WarmupDecayLR, WarmupCosineLR (DeepSpeed's), or "
+                       "the name of a torch.optim.lr_scheduler class.")
+    params: dict = option({}, "Keyword arguments of the scheduler.")
+
+
+@dataclass
+class Config:
+    train_batch_size: Optional[int] = option(None, "Samples per optimizer step over all ranks: "
+                                             "micro batch x accumulation steps x world size.",
+                                             lo=1, auto=True)
+    train_micro_batch_size_per_gpu: Optional[int] = option(None, "Samples per rank per "
+                                                           "forward/backward.", lo=1, auto=True)
+    gradient_accumulation_steps: Optional[int] = option(None, "Micro-steps per optimizer step "
+                                                        "(default 1).", lo=1, auto=True)
+    gradient_clipping: float = option(0.0, "Clip the global gradient norm to this; 0 disables.",
+                                      lo=0.0, auto=True)
+    steps_per_print: int = option(10, "Log every this many optimizer steps.", lo=1)
+    optimizer: Optional[OptimizerConfig] = option(None, "Optimizer built by initialize() when "
+                                                  "none is passed in.")
+    scheduler: Optional[SchedulerConfig] = option(None, "Learning-rate scheduler built by "
+                                                  "initialize() when none is passed in.")
+    fp16: FP16Config = option(FP16Config(), "float16 mixed precision.")
+    bf16: BF16Config = option(BF16Config(), "bfloat16 mixed precision.")
+    zero_optimization: ZeroConfig = option(ZeroConfig(), "What is sharded and how gradients "
+                                           "travel.")
+    wall_clock_breakdown: bool = option(False, "DeepSpeed timers.", no_effect="use "
+                                        "benchmarks/step_bench.py and engine.comm_report()")
+    zero_allow_untested_optimizer: bool = option(True, "DeepSpeed's guard for client "
+                                                 "optimizers.", no_effect="every elementwise "
+                                                 "optimizer is supported")
+
+
+_WHY_NOT = {
+    "monitoring": "monitoring is not built in (the `zeroengine train` job writes metrics.jsonl)",
+    "feature": "this DeepSpeed feature is not implemented in zeroengine",
+}
+UNSUPPORTED: dict[str, str] = {
+    **{k: _WHY_NOT["monitoring"] for k in ("tensorboard", "wandb", "csv_monitor", "comet",
+                                            "comms_logger", "flops_profiler", "timers")},
+    **{k: _WHY_NOT["feature"] for k in (
+        "amp", "activation_checkpointing", "sparse_attention", "pipeline",
+        "compression_training", "data_efficiency", "curriculum_learning", "elasticity",
+        "autotuning", "aio", "quantize_training", "hybrid_engine", "compile", "nebula",
+        "weight_quantization", "sparse_gradients", "torch_autocast", "data_types",
+        "zero_optimization.zero_hpz_partition_size", "zero_optimization.zero_quantized_weights",
+        "zero_optimization.zero_quantized_gradients", "zero_optimization.mics_shard_size",
+        "zero_optimization.mics_hierarchical_params_gather", "zero_optimization.legacy_stage1",
+        "zero_optimization.use_multi_rank_bucket_allreduce",
+        "zero_optimization.stage3_module_granularity_threshold",
+        "zero_optimization.memory_efficient_linear", "zero_optimization.cpu_offload",
+        "zero_optimization.cpu_offload_params", "zero_optimization.cpu_offload_use_pin_memory",
+        "zero_optimization.pipeline_loading_checkpoint", "zero_optimization.override_module_apply",
+        "zero_optimization.zeropp_loco_param", "zero_optimization.log_trace_cache_warnings")},
+    "checkpoint": "checkpoint options are arguments of engine.save_checkpoint()",
+    "dataloader_drop_last": "zeroengine does not build data loaders",
+    "prescale_gradients": "gradients are always averaged in the reduction itself",
+    "gradient_predivide_factor": "gradients are always averaged in the reduction itself",
+    "fp32_allreduce": "use communication_data_type once mixed precision lands",
+    "communication_data_type": "gradients are reduced in their own dtype (fp32 only so far)",
+    "disable_allgather": "the all-gather after a sharded step cannot be disabled",
+    "dump_state": "use engine.memory_report() and engine.comm_report()",
+    "memory_breakdown": "use engine.memory_report()",
+    "zero_force_ds_cpu_optimizer": "the CPU optimizer is chosen by offload_optimizer",
+}
+
+
+# -- parsing ---------------------------------------------------------------------------------
+def _type_name(t) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+            dict: "an object"}.get(t, getattr(t, "__name__", str(t)))
+
+
+def _range_text(meta, t) -> str:
+    if meta["choices"]:
+        return "one of " + ", ".join(repr(c) for c in meta["choices"])
+    lo, hi = meta["lo"], meta["hi"]
+    if lo is not None and hi is not None:
+        return f"{lo}..{hi}"
+    if lo is not None:
+        return f">= {lo}"
+    return _type_name(t)
+
+
+def _coerce(value, t, path: str, meta) -> Any:
+    """Check one leaf value against its declared type and range."""
+    if value == AUTO and isinstance(value, str):
+        if meta["auto"]:
+            return AUTO
+        raise ConfigError(f"{path}: 'auto' is not accepted here; give {_range_text(meta, t)}")
+    if t is bool:
+        ok = isinstance(value, bool)
+    elif t is int:
+        # JSON configs often spell sizes like 5e8: accept integral floats.
+        ok = (isinstance(value, int) and not isinstance(value, bool)) or (
+            isinstance(value, float) and value.is_integer())
+        value = int(value) if ok else value
+    elif t is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif t is str:
+        ok = isinstance(value, str)
+    elif t is dict:
+        ok = isinstance(value, dict)
+    else:
+        raise TypeError(f"schema type {t} at {path}")
+    if not ok:
+        raise ConfigError(f"{path}: expected {_type_name(t)} ({_range_text(meta, t)}), got "
+                          f"{json.dumps(value)} ({type(value).__name__})")
+    if meta["choices"] and value not in meta["choices"]:
+        raise ConfigError(f"{path}: {value!r} is not allowed; use {_range_text(meta, t)}")
+    if (meta["lo"] is not None and value < meta["lo"]) or (
+            meta["hi"] is not None and value > meta["hi"]):
+        raise ConfigError(f"{path}: {value} is out of range; allowed: {_range_text(meta, t)}")
+    return value
+
+
+def _unwrap_optional(t):
+    if typing.get_origin(t) is typing.Union:
+        args = [a for a in typing.get_args(t) if a is not type(None)]
+        return args[0], True
+    return t, False
+
+
+def _parse_section(cls, raw, path: str):
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path or 'config'}: expected an object, got {json.dumps(raw)}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values = {}
+    for key, value in raw.items():
+        full = f"{path}.{key}" if path else key
+        if key.startswith(COMMENT_PREFIX):
+            continue
+        if key not in fields:
+            if full in UNSUPPORTED:
+                raise ConfigError(f"'{full}' is a DeepSpeed setting that zeroengine does not "
+                                  f"support ({UNSUPPORTED[full]}); remove it from the config")
+            close = difflib.get_close_matches(key, list(fields), n=3, cutoff=0.6)
+            hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else (
+                f"; valid keys here: {', '.join(sorted(fields))}")
+            raise ConfigError(f"unknown config key '{full}'{hint}")
+        t, optional = _unwrap_optional(hints[key])
+        if value is None and optional:
+            values[key] = None
+        elif dataclasses.is_dataclass(t):
+            values[key] = _parse_section(t, value, full)
+        else:
+            values[key] = _coerce(value, t, full, fields[key].metadata)
+    return cls(**values)
+
+
+def load_json(path: str | os.PathLike) -> dict:
+    try:
+        with open(path) as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path} is not valid JSON: {err.msg} at line {err.lineno}, "
+                          f"column {err.colno}") from None
+
+
+def parse_config(source: "str | os.PathLike | dict | Config") -> Config:
+    """Validate a config given as a path to a JSON file, a dict, or an already-parsed Config."""
+    if isinstance(source, Config):
+        return source
+    raw = load_json(source) if isinstance(source, (str, os.PathLike)) else source
+    if not isinstance(raw, dict):
+        raise ConfigError(f"a config must be a JSON object or dict, got {type(raw).__name__}")
+    cfg = _parse_section(Config, raw, "")
+    if cfg.fp16.enabled is True and cfg.bf16.enabled is True:
+        raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one")
+    return cfg
+
+
+# -- resolution of batch sizes and 'auto' ----------------------------------------------------
+def resolve_batch(cfg: Config, world_size: int) -> None:
+    """Fill in the batch triple from any two (or one) of its members; refuse inconsistency.
+
+    train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps * world_size
+    """
+    tbs, mbs, gas = (None if v == AUTO else v for v in (
+        cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
+        cfg.gradient_accumulation_steps))
+    triple = (f"train_batch_size={tbs}, train_micro_batch_size_per_gpu={mbs}, "
+              f"gradient_accumulation_steps={gas}, world size {world_size}")
+    if tbs is not None and mbs is not None and gas is not None:
+        if tbs != mbs * gas * world_size:
+            raise ConfigError(f"inconsistent batch sizes: {triple}; train_batch_size must equal "
+                              f"micro batch x accumulation steps x world size = "
+                              f"{mbs * gas * world_size}")
+    elif tbs is not None and mbs is not None:
+        gas, rem = divmod(tbs, mbs * world_size)
+        if rem or gas < 1:
+            raise ConfigError(f"train_batch_size {tbs} is not a multiple of "
+                              f"train_micro_batch_size_per_gpu x world size = {mbs * world_size}")
+    elif tbs is not None:
+        gas = gas or 1
+        mbs, rem = divmod(tbs, gas * world_size)
+        if rem or mbs < 1:
+            raise ConfigError(f"train_batch_size {tbs} is not a multiple of "
+                              f"gradient_accumulation_steps x world size = {gas * world_size}")
+    else:
+        gas = gas or 1
+        tbs = mbs * gas * world_size if mbs is not None else None
+    cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu = tbs, mbs
+    cfg.gradient_accumulation_steps = gas
+
+
+def resolve_auto(cfg: Config, world_size: int, param_dtype_name: str | None = None) -> Config:
+    """Replace 'auto' values with what the engine knows; refuse the ones it cannot know."""
+    resolve_batch(cfg, world_size)
+    if cfg.gradient_clipping == AUTO:
+        raise ConfigError("gradient_clipping: 'auto' is filled in by the HF Trainer, which is not "
+                          "in use here; give a number (1.0 is the Trainer's default) or 0 to "
+                          "disable clipping")
+    if cfg.fp16.enabled == AUTO:
+        cfg.fp16.enabled = param_dtype_name == "float16"
+    if cfg.bf16.enabled == AUTO:
+        cfg.bf16.enabled = param_dtype_name == "bfloat16"
+    zero_defaults = ZeroConfig()
+    for name in ("reduce_bucket_size", "stage3_prefetch_bucket_size",
+                 "stage3_param_persistence_threshold"):
+        if getattr(cfg.zero_optimization, name) == AUTO:
+            setattr(cfg.zero_optimization, name, getattr(zero_defaults, name))
+    return cfg
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+# -- generated reference ---------------------------------------------------------------------
+def reference_markdown() -> str:
+    lines = ["# Config reference", "", "Generated from `zeroengine/config.py` by `make docs`; "
+             "do not edit by hand.", ""]
+
+    def section(cls, path):
+        hints = typing.get_type_hints(cls)
+        rows, subs = [], []
+        for f in dataclasses.fields(cls):
+            t, _ = _unwrap_optional(hints[f.name])
+            key = f"{path}.{f.name}" if path else f.name
+            if dataclasses.is_dataclass(t):
+                subs.append((t, key, f.metadata["doc"]))
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            doc = f.metadata["doc"]
+            if f.metadata["no_effect"]:
+                doc += f" *Accepted, no effect: {f.metadata['no_effect']}.*"
+            allowed = _range_text(f.metadata, t) + (", 'auto'" if f.metadata["auto"] else "")
+            rows.append(f"| `{key}` | `{json.dumps(default)}` | {allowed} | {doc} |")
+        if rows:
+            lines.extend([f"## `{path or 'top level'}`", "",
+                          "| key | default | allowed | meaning |", "|---|---|---|---|", *rows, ""])
+        for t, key, doc in subs:
+            lines.append(f"<!-- {key}: {doc} -->")
+            section(t, key)
+
+    section(Config, "")
+    lines += [f"Keys starting with `{COMMENT_PREFIX}` are comments and are skipped at any level.",
+              ""]
+    lines += ["## DeepSpeed keys refused by name", "", "| key | why |", "|---|---|"]
+    lines += [f"| `{k}` | {v} |" for k, v in sorted(UNSUPPORTED.items())]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(reference_markdown(), end="")

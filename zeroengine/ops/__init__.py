@@ -1,0 +1,4 @@
+"""Python front of the C++/CUDA extensions in csrc/, each with a pure-PyTorch fallback."""
+from .flatten import flatten_into, unflatten_from, using_extension
+
+__all__ = ["flatten_into", "unflatten_from", "using_extension"]

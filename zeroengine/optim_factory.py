@@ -1,0 +1,109 @@
+"""Build a torch optimizer from the config's "optimizer" section, and decide whether an optimizer
+can be sharded: only *elementwise* optimizers (each element's update depends on that element's
+gradient and state alone) give the same result on a flat shard as on whole tensors."""
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from .config import AUTO, ConfigError, OptimizerConfig
+
+# Updates that look at whole tensors (norms, factored second moments, line searches, sparse rows).
+NON_ELEMENTWISE = {
+    "LBFGS": "it runs a line search over the whole parameter vector",
+    "SparseAdam": "it needs sparse gradients",
+    "Adafactor": "it factors the second moment by rows and columns of each tensor",
+    "Muon": "it orthogonalises each weight matrix as a whole",
+}
+# DeepSpeed optimizer names that torch does not provide.
+NOT_IN_TORCH = {
+    "lamb": "LAMB scales each tensor by its own trust ratio (not elementwise)",
+    "onebitadam": "1-bit Adam compresses communication, which zeroengine does not do",
+    "zerooneadam": "0/1 Adam compresses communication, which zeroengine does not do",
+    "onebitlamb": "1-bit LAMB compresses communication, which zeroengine does not do",
+    "lion": "torch.optim has no Lion; pass a Lion optimizer object to initialize() instead",
+    "muadam": "MuP optimizers are not built in; pass the optimizer object instead",
+    "muadamw": "MuP optimizers are not built in; pass the optimizer object instead",
+    "musgd": "MuP optimizers are not built in; pass the optimizer object instead",
+}
+# Keys that choose an implementation, not a hyperparameter: not copied between groups.
+IMPLEMENTATION_KEYS = ("params", "foreach", "fused", "capturable")
+
+
+def check_elementwise(optimizer_cls: type) -> None:
+    for klass in optimizer_cls.__mro__:
+        if klass.__name__ in NON_ELEMENTWISE and klass.__module__.startswith("torch.optim"):
+            raise TypeError(f"{optimizer_cls.__name__} cannot be sharded by zeroengine: "
+                            f"{NON_ELEMENTWISE[klass.__name__]}. Use an elementwise optimizer "
+                            "(AdamW, Adam, SGD, Adagrad, RMSprop, ...)")
+
+
+def _torch_optimizer_class(name: str) -> type:
+    key = name.lower()
+    if key in NOT_IN_TORCH:
+        raise ConfigError(f"optimizer.type {name!r} is not supported: {NOT_IN_TORCH[key]}")
+    for attr in dir(torch.optim):
+        cls = getattr(torch.optim, attr)
+        if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and \
+                attr.lower() == key and attr != "Optimizer":
+            return cls
+    known = sorted(a for a in dir(torch.optim) if isinstance(getattr(torch.optim, a), type)
+                   and issubclass(getattr(torch.optim, a), torch.optim.Optimizer)
+                   and a != "Optimizer" and a not in NON_ELEMENTWISE)
+    raise ConfigError(f"optimizer.type {name!r} is not a torch.optim optimizer; use one of "
+                      f"{', '.join(known)}")
+
+
+def optimizer_from_config(cfg: OptimizerConfig, params) -> torch.optim.Optimizer:
+    """The optimizer the config describes, over ``params`` (tensors or param-group dicts)."""
+    kwargs = dict(cfg.params)
+    name = cfg.type
+    kwargs.pop("torch_adam", None)  # DeepSpeed's switch between its kernel and torch's
+    adam_w_mode = kwargs.pop("adam_w_mode", True)
+    if name.lower() == "adam":
+        # DeepSpeed's "Adam" decouples weight decay unless told otherwise (adam_w_mode=True).
+        name = "AdamW" if adam_w_mode else "Adam"
+    cls = _torch_optimizer_class(name)
+    check_elementwise(cls)
+    signature = inspect.signature(cls.__init__)
+    for key, value in list(kwargs.items()):
+        if key not in signature.parameters:
+            accepted = [p for p in signature.parameters if p not in ("self", "params")]
+            raise ConfigError(f"optimizer.params.{key} is not an argument of {cls.__name__}; "
+                              f"accepted: {', '.join(accepted)}")
+        if value == AUTO:
+            default = signature.parameters[key].default
+            if default is inspect.Parameter.empty:
+                raise ConfigError(f"optimizer.params.{key}: 'auto' cannot be resolved, "
+                                  f"{cls.__name__} has no default for it; give a value")
+            kwargs[key] = default
+    if isinstance(kwargs.get("betas"), list):
+        kwargs["betas"] = tuple(kwargs["betas"])
+    try:
+        return cls(params, **kwargs)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"optimizer {cls.__name__} refused its params: {err}") from None
+
+
+def build_inner(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
+    """A fresh optimizer of ``optimizer``'s class and hyperparameters over ``groups``.
+
+    When the user left the implementation to torch (``fused`` and ``foreach`` unset) and the
+    class has a fused kernel for the device, it is used: the shards are a few large flat
+    tensors, where one fused pass beats the per-op loop several times over.
+    """
+    cls = type(optimizer)
+    accepted = inspect.signature(cls.__init__).parameters
+    # defaults may hold derived keys the constructor does not take (AdamW's
+    # decoupled_weight_decay); every group carries them anyway.
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    params = [g["params"] for g in groups]
+    if "fused" in defaults and defaults.get("fused") is None and \
+            defaults.get("foreach") is None and not defaults.get("differentiable", False):
+        try:
+            return cls(groups, **{**defaults, "fused": True})
+        except (RuntimeError, ValueError, TypeError):
+            for group, p in zip(groups, params):
+                group["params"] = p  # the failed constructor may have rewrapped them
+    return cls(groups, **defaults)
