@@ -66,11 +66,12 @@ def make_optimizer(name: str, params, lr=0.01):
 
 
 def reference_train(optimizer_name: str, world_size: int, steps: int, accumulation: int,
-                    clip: float, seed: int = 0):
+                    clip: float, seed: int = 0, lr_gamma: float | None = None):
     """Plain single-process training on the same global batches: per step, the gradient is the
     mean over all ranks' and micro-steps' batches."""
     model = make_model(seed)
     opt = make_optimizer(optimizer_name, param_groups(model))
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, lr_gamma) if lr_gamma else None
     # A parameter that gets no gradient counts as a zero gradient (as in DeepSpeed), not as
     # "skip this parameter" (torch's meaning of grad None): give every trainable one a tensor.
     for p in model.parameters():
@@ -87,6 +88,8 @@ def reference_train(optimizer_name: str, world_size: int, steps: int, accumulati
             torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
                                            clip)
         opt.step()
+        if sched is not None:
+            sched.step()
     return {k: v.detach().clone().float() for k, v in model.state_dict().items()}
 
 

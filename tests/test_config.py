@@ -1,0 +1,243 @@
+"""Config validation: every refusal names the key and the fix; 'auto' and batch sizes resolve."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import zeroengine
+from zeroengine.config import ConfigError, parse_config, reference_markdown, resolve_auto
+from zeroengine.optim_factory import optimizer_from_config
+from zeroengine.schedulers import WarmupDecayLR, WarmupLR, scheduler_from_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def refused(cfg, *fragments):
+    with pytest.raises(ConfigError) as info:
+        resolve_auto(parse_config(cfg), 1, "float32")
+    for fragment in fragments:
+        assert fragment in str(info.value), str(info.value)
+    return str(info.value)
+
+
+def test_misspelt_section_is_refused_with_suggestion():
+    refused({"zero_optimisation": {"stage": 2}}, "'zero_optimisation'",
+            "did you mean 'zero_optimization'")
+
+
+def test_nested_typo_names_full_path():
+    refused({"zero_optimization": {"reduce_bucket_sise": 10}},
+            "zero_optimization.reduce_bucket_sise", "did you mean 'reduce_bucket_size'")
+
+
+def test_unknown_key_without_near_match_lists_valid_keys():
+    refused({"fp16": {"colour": 1}}, "fp16.colour", "valid keys here:", "loss_scale")
+
+
+def test_wrong_type_names_path_and_range():
+    refused({"zero_optimization": {"stage": "two"}}, "zero_optimization.stage",
+            "expected an integer", "0..3", '"two"')
+
+
+def test_out_of_range_names_allowed_range():
+    refused({"zero_optimization": {"stage": 4}}, "zero_optimization.stage", "out of range",
+            "0..3")
+    refused({"gradient_clipping": -1}, "gradient_clipping", ">= 0.0")
+
+
+def test_bool_is_not_an_int_and_int_is_not_a_bool():
+    refused({"zero_optimization": {"overlap_comm": 1}}, "zero_optimization.overlap_comm",
+            "a boolean")
+    refused({"steps_per_print": True}, "steps_per_print", "an integer")
+
+
+def test_choices_are_listed():
+    refused({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}},
+            "offload_optimizer.device", "'none', 'cpu'")
+
+
+def test_integral_floats_accepted_for_sizes():
+    cfg = parse_config({"zero_optimization": {"reduce_bucket_size": 5e8}})
+    assert cfg.zero_optimization.reduce_bucket_size == 500_000_000
+    assert isinstance(cfg.zero_optimization.reduce_bucket_size, int)
+    refused({"zero_optimization": {"reduce_bucket_size": 2.5}}, "reduce_bucket_size")
+
+
+def test_unsupported_deepspeed_keys_say_so():
+    refused({"flops_profiler": {"enabled": True}}, "'flops_profiler' is a DeepSpeed setting",
+            "does not support", "remove it")
+    refused({"zero_optimization": {"zero_quantized_weights": True}},
+            "'zero_optimization.zero_quantized_weights' is a DeepSpeed setting")
+
+
+def test_no_effect_keys_are_accepted():
+    cfg = parse_config({"wall_clock_breakdown": False,
+                        "zero_optimization": {"contiguous_gradients": True,
+                                              "round_robin_gradients": False}})
+    assert cfg.zero_optimization.contiguous_gradients is True
+
+
+def test_comment_keys_are_skipped():
+    assert parse_config({"_comment": "x", "zero_optimization": {"_comment_a": 1, "stage": 1}}) \
+        .zero_optimization.stage == 1
+
+
+def test_fp16_and_bf16_together_refused():
+    refused({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "fp16.enabled",
+            "bf16.enabled", "at most one")
+
+
+def test_auto_resolved_from_what_the_engine_knows():
+    cfg = resolve_auto(parse_config({
+        "train_batch_size": "auto", "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": "auto", "bf16": {"enabled": "auto"},
+        "fp16": {"enabled": "auto"}, "zero_optimization": {"reduce_bucket_size": "auto"}}),
+        world_size=2, param_dtype_name="bfloat16")
+    assert (cfg.train_batch_size, cfg.gradient_accumulation_steps) == (8, 1)
+    assert cfg.bf16.enabled is True and cfg.fp16.enabled is False
+    assert cfg.zero_optimization.reduce_bucket_size == 25_000_000
+
+
+def test_auto_refused_by_name_where_unknowable():
+    refused({"gradient_clipping": "auto"}, "gradient_clipping", "HF Trainer", "give a number")
+    refused({"steps_per_print": "auto"}, "steps_per_print", "'auto' is not accepted")
+
+
+def test_inconsistent_batch_sizes():
+    with pytest.raises(ConfigError, match="inconsistent batch sizes.*must equal"):
+        resolve_auto(parse_config({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 2,
+                                   "gradient_accumulation_steps": 2}), 2)
+    with pytest.raises(ConfigError, match="not a multiple of train_micro_batch_size_per_gpu"):
+        resolve_auto(parse_config({"train_batch_size": 10,
+                                   "train_micro_batch_size_per_gpu": 3}), 2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(mbs=st.integers(1, 16), gas=st.integers(1, 8), world=st.integers(1, 8),
+       given_keys=st.sampled_from([("tbs", "mbs"), ("tbs", "gas"), ("mbs", "gas"),
+                                   ("tbs", "mbs", "gas")]))
+def test_any_two_batch_keys_determine_the_third(mbs, gas, world, given_keys):
+    values = {"tbs": mbs * gas * world, "mbs": mbs, "gas": gas}
+    names = {"tbs": "train_batch_size", "mbs": "train_micro_batch_size_per_gpu",
+             "gas": "gradient_accumulation_steps"}
+    cfg = resolve_auto(parse_config({names[k]: values[k] for k in given_keys}), world)
+    got = (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
+           cfg.gradient_accumulation_steps)
+    assert got == (values["tbs"], mbs, gas)
+
+
+def test_not_json_reports_line_and_column(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('{\n  "zero_optimization": {"stage": 2,}\n}\n')
+    with pytest.raises(ConfigError, match=r"not valid JSON.*line 2, column"):
+        parse_config(str(path))
+    with pytest.raises(ConfigError, match="config file not found"):
+        parse_config(str(tmp_path / "missing.json"))
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.json"))))
+def test_shipped_configs_parse(path):
+    cfg = resolve_auto(parse_config(path), 2)
+    assert cfg.optimizer is not None
+
+
+def test_generated_reference_is_up_to_date():
+    with open(os.path.join(ROOT, "docs", "config.md")) as f:
+        assert f.read() == reference_markdown(), "run `make docs` and commit docs/config.md"
+
+
+# -- optimizers and schedulers named in the config --------------------------------------------
+def _opt(section, params=None):
+    cfg = parse_config({"optimizer": section}).optimizer
+    return optimizer_from_config(cfg, params or [torch.nn.Parameter(torch.zeros(3))])
+
+
+def test_deepspeed_adam_means_decoupled_decay_unless_told():
+    assert type(_opt({"type": "Adam", "params": {"lr": 1e-3}})) is torch.optim.AdamW
+    assert type(_opt({"type": "Adam", "params": {"adam_w_mode": False}})) is torch.optim.Adam
+    assert type(_opt({"type": "sgd", "params": {"lr": 0.1, "momentum": 0.9}})) is torch.optim.SGD
+    assert type(_opt({"type": "RMSprop", "params": {"lr": 0.1}})) is torch.optim.RMSprop
+
+
+def test_optimizer_auto_params_take_class_defaults():
+    opt = _opt({"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": 1e-6}})
+    assert opt.defaults["lr"] == 1e-3 and opt.defaults["betas"] == (0.9, 0.999)
+
+
+@pytest.mark.parametrize("section,fragment", [
+    ({"type": "Adamm"}, "not a torch.optim optimizer; use one of"),
+    ({"type": "Lamb"}, "trust ratio"),
+    ({"type": "LBFGS"}, "cannot be sharded"),
+    ({"type": "AdamW", "params": {"betass": [0.9, 0.99]}}, "optimizer.params.betass is not an "
+                                                           "argument of AdamW"),
+])
+def test_bad_optimizer_sections(section, fragment):
+    with pytest.raises((ConfigError, TypeError), match=fragment):
+        _opt(section)
+
+
+def test_warmup_schedulers_follow_deepspeed():
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=1.0)
+    sched = scheduler_from_config(parse_config({"scheduler": {"type": "WarmupLR", "params": {
+        "warmup_min_lr": 0.0, "warmup_max_lr": 0.1, "warmup_num_steps": 4,
+        "warmup_type": "linear"}}}).scheduler, opt)
+    assert isinstance(sched, WarmupLR)
+    lrs = []
+    for _ in range(6):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs == pytest.approx([0.0, 0.025, 0.05, 0.075, 0.1, 0.1])
+    opt = torch.optim.SGD([p], lr=1.0)
+    decay = WarmupDecayLR(opt, total_num_steps=6, warmup_max_lr=0.1, warmup_num_steps=2,
+                          warmup_type="linear")
+    lrs = []
+    for _ in range(7):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        decay.step()
+    assert lrs == pytest.approx([0.0, 0.05, 0.1, 0.075, 0.05, 0.025, 0.0])
+
+
+def test_torch_scheduler_by_name_and_refusals():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = scheduler_from_config(parse_config({"scheduler": {
+        "type": "StepLR", "params": {"step_size": 2, "gamma": 0.5}}}).scheduler, opt)
+    assert isinstance(sched, torch.optim.lr_scheduler.StepLR)
+    for section, fragment in [({"type": "OneCycle"}, "not supported"),
+                              ({"type": "Nope"}, "neither one of"),
+                              ({"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}},
+                               "cannot be resolved")]:
+        with pytest.raises(ConfigError, match=fragment):
+            scheduler_from_config(parse_config({"scheduler": section}).scheduler, opt)
+
+
+# -- initialize() refusals ----------------------------------------------------------------------
+def _model():
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+
+
+def test_initialize_refusals():
+    m = _model()
+    adam = {"optimizer": {"type": "AdamW"}}
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        zeroengine.initialize("not a model", adam)
+    with pytest.raises(ConfigError, match="no optimizer"):
+        zeroengine.initialize(m, {})
+    with pytest.raises(ConfigError, match="keep one of them"):
+        zeroengine.initialize(m, adam, optimizer=torch.optim.SGD(m.parameters(), lr=0.1))
+    with pytest.raises(TypeError, match="LBFGS cannot be sharded"):
+        zeroengine.initialize(m, {}, optimizer=torch.optim.LBFGS(m.parameters()))
+    with pytest.raises(ValueError, match="not a parameter of the model"):
+        zeroengine.initialize(m, {}, optimizer=torch.optim.SGD(_model().parameters(), lr=0.1))
+    with pytest.raises(ConfigError, match="stage 3 is not implemented yet"):
+        zeroengine.initialize(m, {**adam, "zero_optimization": {"stage": 3}})
+    frozen = _model().requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        zeroengine.initialize(frozen, adam)

@@ -1,0 +1,92 @@
+"""Partition math (hypothesis) and the C++ flatten against its PyTorch fallback."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from zeroengine.flat import FlatBuffer, FlatLayout
+from zeroengine.ops import flatten as flatten_ops
+
+shapes_st = st.lists(st.lists(st.integers(0, 9), min_size=0, max_size=3), min_size=1,
+                     max_size=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(shapes=shapes_st, world=st.integers(1, 8), bucket=st.integers(1, 400),
+       align=st.sampled_from([1, 4, 16]))
+def test_every_element_owned_exactly_once(shapes, world, bucket, align):
+    layout = FlatLayout(shapes, world, bucket, align)
+    owned = {}  # (param, element) -> rank
+    for rank in range(world):
+        shard_positions = set()
+        for piece in layout.shard_pieces(rank):
+            for k in range(piece.numel):
+                key = (piece.param, piece.param_offset + k)
+                assert key not in owned, f"{key} owned by ranks {owned[key]} and {rank}"
+                owned[key] = rank
+                shard_positions.add(piece.shard_offset + k)
+        assert all(0 <= p < layout.shard_numel for p in shard_positions)
+    expected = {(i, k) for i, s in enumerate(shapes) for k in range(math.prod(s))}
+    assert set(owned) == expected
+    # equal shards, padded segments, no segment over budget unless it holds one big parameter
+    assert layout.numel == layout.shard_numel * world
+    for seg in layout.segments:
+        assert seg.numel % (world * align) == 0 and seg.used <= seg.numel
+        assert seg.used <= bucket or len(seg.params) == 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(shapes=shapes_st, world=st.integers(1, 8), bucket=st.integers(1, 400))
+def test_flat_buffer_views_round_trip(shapes, world, bucket):
+    layout = FlatLayout(shapes, world, bucket)
+    tensors = [torch.randn(tuple(s)) for s in shapes]
+    buf = FlatBuffer(layout, torch.float32, "cpu")
+    flatten_ops.flatten_into(tensors, buf.data, [s.offset for s in layout.slots])
+    for i, t in enumerate(tensors):
+        assert torch.equal(buf.param_view(i), t)
+    # segments and chunks tile the buffer
+    pieces = [buf.chunk_view(s, r) for s in range(len(layout.segments)) for r in range(world)]
+    assert sum(p.numel() for p in pieces) == layout.numel
+    out = [torch.empty_like(t) for t in tensors]
+    flatten_ops.unflatten_from(buf.data, out, [s.offset for s in layout.slots])
+    assert all(torch.equal(a, b) for a, b in zip(out, tensors))
+
+
+def test_extension_is_built():
+    """`make test` builds the extension; the fallback is for installs without a compiler."""
+    assert flatten_ops.using_extension()
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(0, 70_000), min_size=0, max_size=6),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64]),
+       gap=st.integers(0, 5))
+def test_extension_matches_fallback(sizes, dtype, gap):
+    tensors = [torch.randn(n).to(dtype) for n in sizes]
+    offsets, pos = [], gap
+    for n in sizes:
+        offsets.append(pos)
+        pos += n + gap
+    results = []
+    for use_ext in (True, False):
+        flat = torch.full((pos,), -7.0)  # fp32 flat: conversion from other dtypes included
+        flatten_ops.flatten_into(tensors, flat, offsets, use_extension=use_ext)
+        back = [torch.zeros(n, dtype=dtype) for n in sizes]
+        flatten_ops.unflatten_from(flat, back, offsets, use_extension=use_ext)
+        results.append((flat, back))
+    assert torch.equal(results[0][0], results[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
+
+
+@pytest.mark.parametrize("use_ext", [True, False])
+def test_flatten_rejects_overrun(use_ext):
+    with pytest.raises((ValueError, RuntimeError), match="overruns"):
+        flatten_ops.flatten_into([torch.ones(5)], torch.zeros(4), [0], use_extension=use_ext)
+
+
+def test_layout_rejects_bad_world_size():
+    with pytest.raises(ValueError, match="world_size"):
+        FlatLayout([(3,)], 0, 10)

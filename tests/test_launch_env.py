@@ -1,0 +1,58 @@
+"""Rank, world size and rendezvous address from each launcher's environment variables."""
+from __future__ import annotations
+
+import pytest
+
+from zeroengine.launch_env import first_slurm_host, read_launch_env
+
+
+def test_torchrun_and_pytorchjob():
+    env = read_launch_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
+                           "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"})
+    assert (env.launcher, env.rank, env.world_size, env.local_rank) == ("torchrun", 3, 4, 1)
+    assert (env.master_addr, env.master_port, env.restart_count) == ("10.0.0.1", 1234, None)
+
+
+def test_torchrun_restart_count_only_with_agent_store():
+    base = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1",
+            "TORCHELASTIC_RESTART_COUNT": "2"}
+    assert read_launch_env(base).restart_count is None
+    assert read_launch_env({**base, "TORCHELASTIC_USE_AGENT_STORE": "True"}).restart_count == 2
+
+
+def test_missing_master_addr_is_named():
+    with pytest.raises(ValueError, match="MASTER_ADDR"):
+        read_launch_env({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "1"})
+
+
+def test_slurm():
+    env = read_launch_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+                           "SLURM_JOB_NODELIST": "gpu[03-05,9],cpu1", "SLURM_JOB_ID": "4242"})
+    assert (env.launcher, env.rank, env.world_size, env.local_rank) == ("slurm", 5, 8, 1)
+    assert env.master_addr == "gpu03" and env.master_port == 29500 + 242
+
+
+@pytest.mark.parametrize("nodelist,first", [("node1", "node1"), ("a[1-3]", "a1"),
+                                            ("x[007,9]", "x007"), ("n1,n2", "n1")])
+def test_slurm_nodelist(nodelist, first):
+    assert first_slurm_host(nodelist) == first
+
+
+def test_openmpi_single_node_and_multi_node():
+    env = read_launch_env({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
+                           "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
+    assert (env.launcher, env.rank, env.world_size, env.master_addr) == ("mpi", 1, 2,
+                                                                          "127.0.0.1")
+    with pytest.raises(ValueError, match="export MASTER_ADDR"):
+        read_launch_env({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4",
+                         "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
+
+
+def test_nothing_set_is_a_single_process():
+    env = read_launch_env({})
+    assert (env.launcher, env.rank, env.world_size) == ("none", 0, 1)
+
+
+def test_non_integer_is_named():
+    with pytest.raises(ValueError, match="WORLD_SIZE='two'"):
+        read_launch_env({"RANK": "0", "WORLD_SIZE": "two"})
