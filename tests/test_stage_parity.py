@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from distributed import run_ranks
+from zeroengine.local_ranks import run_ranks
 from models import batch, loss_fn, make_model, make_optimizer, max_relative_error, \
     param_groups, reference_train
 

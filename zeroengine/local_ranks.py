@@ -1,4 +1,5 @@
-"""Run a function on N local ranks (separate processes, gloo) and collect what each returns.
+"""Run a function on N local ranks (separate processes) and collect what each returns; used by
+the tests and benchmarks.
 
 The function must be importable (module level) and its arguments and result picklable. Each rank
 gets the torchrun environment variables, so zeroengine.init_distributed() finds its group the
