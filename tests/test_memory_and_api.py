@@ -47,8 +47,9 @@ def measured(request):
     return request.param, run_ranks(request.param, measure, [0, 1, 2])
 
 
-# fp32 AdamW: 4 bytes of parameter, 4 of gradient, 8 of state (m, v) per parameter.
-FORMULAS = {0: lambda n: (4, 4, 8), 1: lambda n: (4, 4 + 4 / n, 8 / n),
+# fp32 AdamW: 4 bytes of parameter, 4 of gradient, 8 of state (m, v) per parameter. Stage 1
+# reduce-scatters in place into its own chunk of the full gradient buffer: no extra shard.
+FORMULAS = {0: lambda n: (4, 4, 8), 1: lambda n: (4, 4, 8 / n),
             2: lambda n: (4, 4 / n, 8 / n)}
 
 

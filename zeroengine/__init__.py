@@ -33,10 +33,6 @@ def _refuse_unimplemented(cfg: Config) -> None:
         if getattr(zero, key).device != "none":
             raise ConfigError(f"zero_optimization.{key}.device 'cpu' is not implemented yet; "
                               "set it to 'none'")
-    for key in ("fp16", "bf16"):
-        if getattr(cfg, key).enabled:
-            raise ConfigError(f"{key}.enabled: mixed precision is not implemented yet; train in "
-                              "fp32 (remove the section or set enabled to false)")
 
 
 def _device(local_rank: int) -> torch.device:

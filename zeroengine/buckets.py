@@ -14,18 +14,22 @@ counting as zero.
 Where gradients live, by stage:
 - 0 and 1: a persistent full-size flat gradient buffer per group; each ``param.grad`` is a view
   into it, so autograd accumulates micro-steps in place. Communication happens only in the
-  backward of the accumulation boundary: all-reduce (stage 0) or reduce-scatter into the rank's
-  owned shard (stage 1).
+  backward of the accumulation boundary: all-reduce (stage 0) or reduce-scatter (stage 1) whose
+  output is the rank's own chunk of that same buffer, so no second gradient copy exists.
 - 2: no full buffer. A hook copies ``param.grad`` into its bucket's staging tensor and drops it;
   every micro-step's buckets are reduce-scattered and added into the owned shard, and staging is
   freed, so gradient memory per rank is ~1/N plus the buckets in flight.
+
+Reduce dtype: gradients travel in ``reduce_dtype`` (the config's communication_data_type,
+default the compute dtype). When it differs from the parameters' dtype, stages 0-1 send a
+converted copy of each bucket and the reduced shard is kept in ``reduce_dtype``.
 """
 from __future__ import annotations
 
 import torch
 
 from .comm import Comm, Handle
-from .flat import FlatBuffer, shard_segment_views
+from .flat import FlatBuffer
 from .partition import FlatParamGroup
 
 
@@ -44,8 +48,10 @@ class Bucket:
 class GradReducer:
     def __init__(self, groups: list[FlatParamGroup], comm: Comm, stage: int,
                  accumulation_steps: int, overlap: bool = True, reduce_scatter: bool = True,
-                 param_order: dict[int, int] | None = None):
+                 param_order: dict[int, int] | None = None,
+                 reduce_dtype: torch.dtype | None = None):
         self.groups = groups
+        self.reduce_dtype = reduce_dtype
         self.comm = comm
         self.stage = stage
         self.accumulation_steps = accumulation_steps
@@ -73,10 +79,13 @@ class GradReducer:
                 self.full_grads.append(buf)
             else:
                 self.full_grads.append(None)
-        # The rank's reduced gradient shard (stages >= 1); stage 0 reads the full buffer.
+        # A separate reduced-gradient shard where the full buffer cannot hold it: stage 2 (no
+        # full buffer), or stage 1 reducing in another dtype. Otherwise the chunk of the full
+        # buffer is the shard (stage 1 reduce-scatters in place; stage 0 owns everything).
         self.owned: list[torch.Tensor | None] = [
-            torch.zeros(g.layout.shard_numel, dtype=g.dtype, device=device) if stage >= 1
-            else None for g in groups]
+            torch.zeros(g.layout.shard_numel, dtype=self._reduce_dtype(g), device=device)
+            if stage == 2 or (stage == 1 and self._reduce_dtype(g) != g.dtype) else None
+            for g in groups]
         self._owned_valid = [False] * len(groups)  # False: owned holds nothing this boundary
         self._hooks = []
         for g in groups:
@@ -87,6 +96,12 @@ class GradReducer:
         self._next_launch = 0
         self.backwards_since_step = 0
         self._unreduced = False  # stages 0-1: local gradients not yet reduced
+        # fp16: a backward that did not go through engine.backward has no loss scale applied.
+        self.require_scaled_backward = False
+        self.scaled_backward_pending = False
+
+    def _reduce_dtype(self, g: FlatParamGroup) -> torch.dtype:
+        return self.reduce_dtype or g.dtype
 
     # -- backward-time ------------------------------------------------------------------------
     def _on_grad_ready(self, param: torch.Tensor) -> None:
@@ -108,8 +123,10 @@ class GradReducer:
                 param.grad = view
         else:
             if bucket.staging is None:
-                bucket.staging = torch.zeros(g.layout.segments[bucket.segment].numel,
-                                             dtype=g.dtype, device=g.data.device)
+                # Uninitialised: every byte is written by a gradient, or zeroed at launch
+                # (padding, parameters that got none) - one memory pass saved per micro-step.
+                bucket.staging = torch.empty(g.layout.segments[bucket.segment].numel,
+                                             dtype=self._reduce_dtype(g), device=g.data.device)
             slot = g.layout.slots[index]
             start = slot.offset - g.layout.segments[bucket.segment].start
             bucket.staging[start:start + slot.numel].copy_(param.grad.reshape(-1))
@@ -119,6 +136,9 @@ class GradReducer:
             self._launch_ready()
 
     def _begin_backward(self) -> None:
+        if self.require_scaled_backward and not self.scaled_backward_pending:
+            raise RuntimeError("fp16 training needs engine.backward(loss), which applies the "
+                               "loss scale; a plain loss.backward() was called")
         self._in_backward = True
         self._reduce_now = self.stage >= 2 or \
             (self.backwards_since_step + 1) % self.accumulation_steps == 0
@@ -157,33 +177,57 @@ class GradReducer:
         g = b.group
         gi = g.group_index
         seg = g.layout.segments[b.segment]
+        dtype = self._reduce_dtype(g)
         if self.stage <= 1:
-            source = self.full_grads[gi].segment_view(b.segment)
+            grads = self.full_grads[gi].segment_view(b.segment)
+            source = grads if dtype == g.dtype else grads.to(dtype)
         else:
             if b.staging is None:  # no parameter of this bucket got a gradient here
-                b.staging = torch.zeros(seg.numel, dtype=g.dtype, device=g.data.device)
+                b.staging = torch.zeros(seg.numel, dtype=dtype, device=g.data.device)
+            else:
+                self._zero_unwritten(b)
             source = b.staging
+        after = None
         if self.stage == 0:
             b.handle = self.comm.all_reduce(source, "avg", async_op=True)
-            b.finish = None
+            if source is not grads:
+                after = lambda: grads.copy_(source)  # noqa: E731
         else:
-            owned = self.owned[gi][seg.shard_offset:seg.shard_offset + seg.chunk_numel]
-            accumulate = self._owned_valid[gi]
+            owned = self._owned_chunk(g, b.segment)
+            accumulate = self._owned_valid[gi] and self.owned[gi] is not None
             out = torch.empty_like(owned) if accumulate else owned
             if self.use_reduce_scatter:
                 b.handle = self.comm.reduce_scatter(out, source, "avg", async_op=True)
-            else:
-                scratch = source.clone()
-                handle = self.comm.all_reduce(scratch, "avg", async_op=True)
+            else:  # all-reduce, keep our chunk (DeepSpeed's reduce_scatter=false)
+                handle = self.comm.all_reduce(source, "avg", async_op=True)
+                begin = g.rank * seg.chunk_numel
                 b.handle = Handle(None, lambda: (handle.wait(), out.copy_(
-                    scratch[g.rank * seg.chunk_numel:(g.rank + 1) * seg.chunk_numel])))
-
-            def finish(owned=owned, out=out, accumulate=accumulate):
-                if accumulate:
-                    owned.add_(out)
-                b.staging = None  # stage 2: the bucket's memory goes back
-            b.finish = finish
+                    source[begin:begin + seg.chunk_numel]) if out.data_ptr() !=
+                    source[begin:].data_ptr() else None))
+            if accumulate:
+                after = lambda: owned.add_(out)  # noqa: E731
+        b.finish = after
         b.launched = True
+
+    def _owned_chunk(self, g: FlatParamGroup, segment: int) -> torch.Tensor:
+        """Where the rank's reduced gradient for one segment lives."""
+        if self.owned[g.group_index] is None:
+            return self.full_grads[g.group_index].chunk_view(segment, g.rank)
+        seg = g.layout.segments[segment]
+        return self.owned[g.group_index][seg.shard_offset:seg.shard_offset + seg.chunk_numel]
+
+    @staticmethod
+    def _zero_unwritten(b: Bucket) -> None:
+        """Zero the staging regions no gradient wrote: padding and absent gradients."""
+        layout = b.group.layout
+        seg = layout.segments[b.segment]
+        b.staging[seg.used:].zero_()
+        if len(b.ready) < len(b.param_indices):
+            for i in b.param_indices:
+                if i not in b.ready:
+                    slot = layout.slots[i]
+                    start = slot.offset - seg.start
+                    b.staging[start:start + slot.numel].zero_()
 
     def _finish_reduce(self, b: Bucket) -> None:
         if not b.launched:
@@ -192,6 +236,7 @@ class GradReducer:
         if b.finish is not None:
             b.finish()
         b.handle, b.finish, b.launched = None, None, False
+        b.staging = None  # stage 2: the bucket's memory goes back
         if self.stage >= 1:
             self._owned_valid[b.group.group_index] = True
 
@@ -206,8 +251,8 @@ class GradReducer:
             self._reduce_all()
         for gi, owned in enumerate(self.owned):
             if owned is not None and not self._owned_valid[gi]:
-                owned.zero_()
-                self._owned_valid[gi] = True
+                owned.zero_()  # no backward wrote it since the last step
+            self._owned_valid[gi] = True
 
     def owned_grad_segments(self, group: FlatParamGroup) -> list[torch.Tensor]:
         """The reduced gradient of every chunk the rank owns, aligned with master_segments."""
@@ -215,7 +260,7 @@ class GradReducer:
         if self.stage == 0:
             buf = self.full_grads[gi]
             return [buf.segment_view(s) for s in range(len(group.layout.segments))]
-        return shard_segment_views(self.owned[gi], group.layout)
+        return [self._owned_chunk(group, s) for s in range(len(group.layout.segments))]
 
     def zero_grad(self) -> None:
         for buf in self.full_grads:

@@ -14,8 +14,10 @@ from .buckets import GradReducer
 from .comm import Comm
 from .config import Config
 from .flat import bucket_params
+from .ops import flatten_into, unflatten_from
 from .optim import ShardedOptimizer
 from .partition import FlatParamGroup
+from .precision import LossScaler, Precision
 
 
 class ZeroEngine:
@@ -29,42 +31,77 @@ class ZeroEngine:
         self.gradient_accumulation_steps = config.gradient_accumulation_steps
         self.global_steps = 0
         self.micro_steps = 0
-        self.skipped_steps = 0
         zero = config.zero_optimization
+        self.precision = Precision.from_config(config)
 
+        self._broadcast_module_state()  # every rank starts from rank 0's values, as in DDP
         order = {id(p): i for i, p in enumerate(module.parameters())}
         shard_world = comm.world_size if self.stage >= 1 else 1
         self.flat_groups: list[FlatParamGroup] = []
         for gi, group in enumerate(optimizer.param_groups):
-            # Reverse registration order: the first segments are the first finished in backward.
             trainable = [p for p in group["params"] if p.requires_grad]
+            # Reverse registration order: the first segments are the first finished in backward.
             params = sorted(trainable, key=lambda p: -order[id(p)])
-            for _, same_dtype in bucket_params(params):
+            if self.precision.mixed:  # one flat buffer in the compute dtype
+                by_dtype = [(self.precision.compute, params)] if params else []
+            else:  # each dtype keeps its own buffer
+                by_dtype = bucket_params(params)
+            for dtype, same_dtype in by_dtype:
                 self.flat_groups.append(FlatParamGroup(
-                    same_dtype, gi, comm.rank, shard_world, zero.reduce_bucket_size, device))
-        self._sync_initial_state()
-        self.reducer = GradReducer(self.flat_groups, comm, self.stage,
-                                   self.gradient_accumulation_steps, overlap=zero.overlap_comm,
-                                   reduce_scatter=zero.reduce_scatter, param_order=order)
+                    same_dtype, gi, comm.rank, shard_world, zero.reduce_bucket_size, device,
+                    compute_dtype=dtype))
+        if self.precision.mixed:
+            self._cast_rest_of_module(self.precision.compute)
+        self.reducer = GradReducer(
+            self.flat_groups, comm, self.stage, self.gradient_accumulation_steps,
+            overlap=zero.overlap_comm, reduce_scatter=zero.reduce_scatter, param_order=order,
+            reduce_dtype=self.precision.reduce if config.communication_data_type else None)
+        scaler = LossScaler.from_config(config.fp16) if config.fp16.enabled else None
+        self.reducer.require_scaled_backward = scaler is not None
         self.optimizer = ShardedOptimizer(optimizer, self.flat_groups, self.reducer, comm,
                                           clip=config.gradient_clipping,
-                                          allgather_bucket_numel=zero.allgather_bucket_size)
+                                          allgather_bucket_numel=zero.allgather_bucket_size,
+                                          loss_scaler=scaler,
+                                          sub_group_numel=zero.sub_group_size)
         self.lr_scheduler = lr_scheduler
         if lr_scheduler is not None and hasattr(lr_scheduler, "optimizer"):
             lr_scheduler.optimizer = self.optimizer
 
-    def _sync_initial_state(self) -> None:
-        """Every rank starts from rank 0's parameters and buffers, as DDP does."""
+    def _broadcast_module_state(self, max_numel: int = 1 << 25) -> None:
+        """Rank 0's parameters and buffers to every rank, a few large broadcasts per dtype."""
+        if self.comm.world_size == 1:
+            return
+        tensors = [t.data for t in list(self.module.parameters()) + list(self.module.buffers())]
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for same in by_dtype.values():
+            batch: list[torch.Tensor] = []
+            for t in same + [None]:
+                if t is None or (batch and sum(b.numel() for b in batch) + t.numel() > max_numel):
+                    offsets = [0]
+                    for b in batch:
+                        offsets.append(offsets[-1] + b.numel())
+                    flat = torch.empty(offsets[-1], dtype=batch[0].dtype, device=batch[0].device)
+                    flatten_into(batch, flat, offsets[:-1])
+                    self.comm.broadcast(flat, 0)
+                    unflatten_from(flat, batch, offsets[:-1])
+                    batch = []
+                if t is not None:
+                    batch.append(t)
+
+    def _cast_rest_of_module(self, dtype: torch.dtype) -> None:
+        """Frozen parameters and floating-point buffers follow the compute dtype, as they
+        would under module.to(dtype); managed parameters already live in it."""
+        managed = {id(p) for fg in self.flat_groups for p in fg.params}
         with torch.no_grad():
-            for fg in self.flat_groups:
-                self.comm.broadcast(fg.data, 0)
-                fg.refresh_master()
-            managed = {id(p) for fg in self.flat_groups for p in fg.params}
             for p in self.module.parameters():
-                if id(p) not in managed:
-                    self.comm.broadcast(p.data, 0)
-            for b in self.module.buffers():
-                self.comm.broadcast(b.data, 0)
+                if id(p) not in managed and p.is_floating_point():
+                    p.data = p.data.to(dtype)
+            for mod in self.module.modules():
+                for name, buf in mod._buffers.items():
+                    if buf is not None and buf.is_floating_point():
+                        mod._buffers[name] = buf.to(dtype)
 
     # -- training verbs ------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -78,9 +115,15 @@ class ZeroEngine:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-step's loss, averaged over the accumulation steps, so the
         applied gradient is the mean over ranks and micro-steps (DeepSpeed's semantics)."""
-        if self.gradient_accumulation_steps > 1:
-            loss = loss / self.gradient_accumulation_steps
-        loss.backward()
+        factor = self.loss_scale / self.gradient_accumulation_steps
+        if factor != 1.0:
+            # fp16: scaled in fp32, since loss x 2**16 overflows fp16 itself.
+            loss = loss.float() * factor
+        self.reducer.scaled_backward_pending = True
+        try:
+            loss.backward()
+        finally:
+            self.reducer.scaled_backward_pending = False
 
     def step(self) -> None:
         """Count a micro-step; at an accumulation boundary update, clear grads, step the
@@ -89,10 +132,12 @@ class ZeroEngine:
         self.micro_steps += 1
         if not boundary:
             return
+        skipped_before = self.optimizer.skipped_steps
         self.optimizer.step()
         self.optimizer.zero_grad()
         self.global_steps += 1
-        if self.lr_scheduler is not None:
+        # A step skipped for overflow does not advance the schedule (as in DeepSpeed).
+        if self.lr_scheduler is not None and self.optimizer.skipped_steps == skipped_before:
             self.lr_scheduler.step()
 
     def train(self, mode: bool = True) -> "ZeroEngine":
@@ -111,7 +156,12 @@ class ZeroEngine:
     # -- reports ---------------------------------------------------------------------------------
     @property
     def loss_scale(self) -> float:
-        return 1.0
+        scaler = self.optimizer.loss_scaler
+        return scaler.scale if scaler is not None else 1.0
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.optimizer.skipped_steps
 
     def get_global_grad_norm(self) -> float | None:
         """Norm of the (unclipped) gradient applied at the last step, over all ranks."""

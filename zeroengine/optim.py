@@ -12,6 +12,7 @@ so every rank holds the full parameters again (stages 1-2).
 """
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -20,12 +21,16 @@ from .buckets import GradReducer
 from .comm import Comm, Handle
 from .optim_factory import IMPLEMENTATION_KEYS, build_inner
 from .partition import FlatParamGroup
+from .precision import LossScaler
+
+logger = logging.getLogger("zeroengine")
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
     def __init__(self, base: torch.optim.Optimizer, flat_groups: list[FlatParamGroup],
                  reducer: GradReducer, comm: Comm, clip: float = 0.0,
-                 allgather_bucket_numel: int = 50_000_000):
+                 allgather_bucket_numel: int = 50_000_000,
+                 loss_scaler: LossScaler | None = None, sub_group_numel: int = 1_000_000_000):
         # Deliberately not calling Optimizer.__init__: it would copy the groups, and sharing the
         # user's dicts is what keeps their schedulers working.
         self.defaults = base.defaults
@@ -45,6 +50,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.clip = clip
         self.allgather_bucket_numel = allgather_bucket_numel
         self.last_grad_norm: float | None = None
+        self.loss_scaler = loss_scaler
+        self.skipped_steps = 0
+        self.steps = 0
+        self.sub_groups = self._plan_sub_groups(sub_group_numel)
         inner_groups = []
         self._inner_of_outer: list[list[int]] = [[] for _ in self.param_groups]
         for fg in flat_groups:
@@ -79,6 +88,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.comm.all_reduce(total, "sum")
         return math.sqrt(total.item())
 
+    def _plan_sub_groups(self, limit: int) -> list[list[tuple[int, int]]]:
+        """Batches of (flat group, segment) stepped together, at most ``limit`` elements each
+        (at least one segment): bounds the fp32 gradient copies alive during a step, and lets
+        a batch's all-gather run while the next batch steps."""
+        batches, current, numel = [], [], 0
+        for fi, fg in enumerate(self.flat_groups):
+            for s, seg in enumerate(fg.layout.segments):
+                if current and numel + seg.chunk_numel > limit:
+                    batches.append(current)
+                    current, numel = [], 0
+                current.append((fi, s))
+                numel += seg.chunk_numel
+        if current:
+            batches.append(current)
+        return batches
+
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
@@ -86,48 +111,63 @@ class ShardedOptimizer(torch.optim.Optimizer):
                              "backward first, then call step()")
         self._opt_called = True  # what torch's lr schedulers check (see _wrapped_by_lr_sched)
         self.reducer.flush()
+        self.steps += 1
         grads = [self.reducer.owned_grad_segments(fg) for fg in self.flat_groups]
-        norm = self.global_grad_norm(grads)
+        scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        # One all-reduce gives the norm and the overflow check: any inf/NaN on any rank makes
+        # the global sum of squares non-finite everywhere.
+        norm = self.global_grad_norm(grads) / scale
         self.last_grad_norm = norm
+        if self.loss_scaler is not None:
+            old_scale = self.loss_scaler.scale
+            overflow = not math.isfinite(norm)
+            self.loss_scaler.update(overflow, step=self.steps)
+            if self.loss_scaler.scale != old_scale and self.comm.rank == 0:
+                logger.info("fp16 loss scale %g -> %g at step %d (%d steps skipped so far)",
+                            old_scale, self.loss_scaler.scale, self.steps,
+                            self.skipped_steps + overflow)
+            if overflow:
+                self.skipped_steps += 1
+                return None
+        coef = 1.0 / scale
         if self.clip > 0:
-            # The same coefficient torch.nn.utils.clip_grad_norm_ applies.
-            coef = min(self.clip / (norm + 1e-6), 1.0)
-            if coef < 1.0:
-                for segs in grads:
-                    torch._foreach_mul_(segs, coef)
-        for fg, segs in zip(self.flat_groups, grads):
-            for master, grad in zip(fg.master_segments, segs):
-                master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
+            # The coefficient torch.nn.utils.clip_grad_norm_ applies, on unscaled gradients.
+            coef *= min(self.clip / (norm + 1e-6), 1.0)
         self._sync_hyperparameters()
-        self.inner.step()
-        for fg in self.flat_groups:
-            for master in fg.master_segments:
-                master.grad = None
-            fg.publish_master()
-        self._all_gather_params()
+        in_flight: list[tuple[Handle, int]] = []
+        for batch in self.sub_groups:
+            for fi, s in batch:
+                master, grad = self.flat_groups[fi].master_segments[s], grads[fi][s]
+                if grad.dtype != torch.float32:
+                    grad = grad.float()  # a temporary fp32 copy, one sub-group at a time
+                if coef != 1.0:
+                    grad.mul_(coef)
+                master.grad = grad
+            self.inner.step()
+            for fi, s in batch:
+                fg = self.flat_groups[fi]
+                fg.master_segments[s].grad = None
+                fg.publish_master([s])
+                if fg.sharded:
+                    in_flight = self._all_gather_segment(fg, s, in_flight)
+        for handle, _ in in_flight:
+            handle.wait()
+        return None
 
     # Tells torch's LRScheduler that step() already records _opt_called, so it does not warn.
     step._wrapped_by_lr_sched = True
 
-    def _all_gather_params(self) -> None:
-        """Every rank gets the updated chunks of the others, at most allgather_bucket_numel
-        elements in flight."""
-        in_flight: list[Handle] = []
-        numel = 0
-        for fg in self.flat_groups:
-            if not fg.sharded:
-                continue
-            for s in range(len(fg.layout.segments)):
-                full = fg.buffer.segment_view(s)
-                if in_flight and numel + full.numel() > self.allgather_bucket_numel:
-                    for h in in_flight:
-                        h.wait()
-                    in_flight, numel = [], 0
-                in_flight.append(self.comm.all_gather(full, fg.buffer.chunk_view(s, fg.rank),
-                                                      async_op=True))
-                numel += full.numel()
-        for h in in_flight:
-            h.wait()
+    def _all_gather_segment(self, fg: FlatParamGroup, s: int,
+                            in_flight: list[tuple[Handle, int]]) -> list[tuple[Handle, int]]:
+        """Start gathering every rank's updated chunk of segment s, keeping at most
+        allgather_bucket_numel elements in flight."""
+        full = fg.buffer.segment_view(s)
+        if sum(n for _, n in in_flight) + full.numel() > self.allgather_bucket_numel:
+            for handle, _ in in_flight:
+                handle.wait()
+            in_flight = []
+        handle = self.comm.all_gather(full, fg.buffer.chunk_view(s, fg.rank), async_op=True)
+        return in_flight + [(handle, full.numel())]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the flat gradient buffers. ``set_to_none`` is ignored: at stages 0-1 each
@@ -150,6 +190,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             groups.append({k: v for k, v in group.items() if k != "params"})
         return {"state": inner["state"], "param_groups": groups,
                 "inner_param_groups": inner["param_groups"],
+                "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None,
+                "skipped_steps": self.skipped_steps,
                 "zero": {"rank": self.comm.rank, "world_size": self.comm.world_size,
                          "stage": self.reducer.stage,
                          "shard_numels": [fg.layout.shard_numel for fg in self.flat_groups]}}
@@ -173,6 +215,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             group.update({k: v for k, v in saved.items() if k != "params"})
         self.inner.load_state_dict({"state": state_dict["state"],
                                     "param_groups": state_dict["inner_param_groups"]})
+        if self.loss_scaler is not None and state_dict.get("loss_scaler"):
+            self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
+        self.skipped_steps = state_dict.get("skipped_steps", 0)
 
     def state_nbytes(self) -> int:
         total = 0

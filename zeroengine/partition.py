@@ -15,26 +15,36 @@ from .ops import flatten_into
 
 class FlatParamGroup:
     def __init__(self, params: list[torch.nn.Parameter], group_index: int, rank: int,
-                 shard_world: int, bucket_numel: int, device: torch.device, align: int = 16):
-        """``shard_world`` is the number of owners: the world size, or 1 at stage 0."""
+                 shard_world: int, bucket_numel: int, device: torch.device, align: int = 16,
+                 compute_dtype: torch.dtype | None = None):
+        """``shard_world`` is the number of owners: the world size, or 1 at stage 0.
+        ``compute_dtype``: the dtype the model computes in (default: the params' own)."""
         self.params = params
         self.group_index = group_index
         self.rank = rank if shard_world > 1 else 0
-        self.dtype = params[0].dtype
+        self.dtype = compute_dtype or params[0].dtype
         self.layout = FlatLayout([p.shape for p in params], shard_world, bucket_numel, align)
+        if self.dtype == torch.float32:
+            self.master = None  # the parameters themselves are the fp32 master
+        else:
+            # Taken from the parameters *before* they are cast to the compute dtype, so the
+            # master keeps every bit of the initial fp32 values.
+            self.master = torch.zeros(self.layout.shard_numel, dtype=torch.float32,
+                                      device=device)
+            for piece in self.layout.shard_pieces(self.rank):
+                source = params[piece.param].detach().reshape(-1)
+                self.master[piece.shard_offset:piece.shard_offset + piece.numel].copy_(
+                    source[piece.param_offset:piece.param_offset + piece.numel])
         self.buffer = FlatBuffer(self.layout, self.dtype, device)
         flatten_into([p.detach() for p in params], self.buffer.data,
                      [s.offset for s in self.layout.slots])
         for i, p in enumerate(params):
             p.data = self.buffer.param_view(i)
-        if self.dtype == torch.float32:
-            self.master = None  # the parameters themselves are the fp32 master
+        if self.master is None:
             self.master_segments = [self.buffer.chunk_view(s, self.rank)
                                     for s in range(len(self.layout.segments))]
         else:
-            self.master = torch.empty(self.layout.shard_numel, dtype=torch.float32, device=device)
             self.master_segments = shard_segment_views(self.master, self.layout)
-            self.refresh_master()
 
     @property
     def data(self) -> torch.Tensor:
@@ -44,17 +54,11 @@ class FlatParamGroup:
     def sharded(self) -> bool:
         return self.layout.world_size > 1
 
-    def refresh_master(self) -> None:
-        """Load the fp32 master from the parameter values (after they were overwritten)."""
+    def publish_master(self, segments=None) -> None:
+        """Copy updated master values into the compute-dtype parameter chunks (mixed precision)."""
         if self.master is not None:
-            for s, view in enumerate(self.master_segments):
-                view.copy_(self.buffer.chunk_view(s, self.rank))
-
-    def publish_master(self) -> None:
-        """Copy updated master values into the compute-dtype parameter chunk (mixed precision)."""
-        if self.master is not None:
-            for s, view in enumerate(self.master_segments):
-                self.buffer.chunk_view(s, self.rank).copy_(view)
+            for s in (range(len(self.master_segments)) if segments is None else segments):
+                self.buffer.chunk_view(s, self.rank).copy_(self.master_segments[s])
 
     def full_fp32(self, comm) -> torch.Tensor:
         """The whole flat buffer in fp32, gathered from every rank's master (collective)."""

@@ -1,0 +1,109 @@
+"""Mixed-precision policy and loss scaling: pure logic, no process group, no tensors needed.
+
+``LossScaler`` decides the fp16 loss scale from one bit per step ("did any rank overflow?");
+the engine finds that bit (one all-reduce of the gradient norm, which is inf/NaN when any element
+anywhere is) and skips the step when it is set.
+
+Semantics follow DeepSpeed's fp16 section:
+- ``loss_scale > 0``: static scale; overflowing steps are skipped, the scale never changes.
+- dynamic: start at 2**initial_scale_power. An overflow uses up one unit of hysteresis; when none
+  is left the scale halves (never below min_loss_scale) and hysteresis is refilled. A clean step
+  refills hysteresis only with consecutive_hysteresis (so by default only consecutive-or-not
+  overflows since the last scale change count). After loss_scale_window clean steps in a row the
+  scale doubles.
+- An overflow that would push the scale below the floor raises LossScaleFloorError: the run
+  would otherwise skip every step forever.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+class LossScaleFloorError(RuntimeError):
+    """Gradients overflow even at the minimum loss scale."""
+
+
+@dataclass
+class LossScaler:
+    scale: float = 1.0
+    dynamic: bool = False
+    window: int = 1000
+    hysteresis: int = 2
+    min_scale: float = 1.0
+    consecutive_hysteresis: bool = False
+    hysteresis_left: int = 2
+    clean_steps: int = 0  # clean steps since the last overflow or growth
+    overflows: int = 0  # total overflowing steps seen
+
+    @classmethod
+    def from_config(cls, fp16) -> "LossScaler":
+        """From the config's fp16 section (zeroengine.config.FP16Config)."""
+        if fp16.loss_scale > 0:
+            return cls(scale=float(fp16.loss_scale), dynamic=False)
+        return cls(scale=float(2 ** fp16.initial_scale_power), dynamic=True,
+                   window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
+                   min_scale=float(fp16.min_loss_scale),
+                   consecutive_hysteresis=fp16.consecutive_hysteresis,
+                   hysteresis_left=fp16.hysteresis)
+
+    def update(self, overflow: bool, step: int | None = None) -> None:
+        """Account for one optimizer step whose gradients did (not) overflow."""
+        if not overflow:
+            self.clean_steps += 1
+            if self.consecutive_hysteresis:
+                self.hysteresis_left = self.hysteresis
+            if self.dynamic and self.clean_steps >= self.window:
+                self.scale *= 2.0
+                self.clean_steps = 0
+                self.hysteresis_left = self.hysteresis
+            return
+        self.overflows += 1
+        self.clean_steps = 0
+        if not self.dynamic:
+            return
+        self.hysteresis_left -= 1
+        if self.hysteresis_left > 0:
+            return
+        if self.scale <= self.min_scale:
+            where = f" at step {step}" if step is not None else ""
+            raise LossScaleFloorError(
+                f"fp16 gradients overflow{where} even at the minimum loss scale "
+                f"(fp16.min_loss_scale={self.min_scale:g}): the model produces inf/NaN. Lower "
+                "the learning rate, check the inputs, or train in bf16")
+        self.scale = max(self.scale / 2.0, self.min_scale)
+        self.hysteresis_left = self.hysteresis
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            if not hasattr(self, key):
+                raise KeyError(f"unknown loss-scaler state {key!r}")
+            setattr(self, key, value)
+
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16,
+           "float16": torch.float16, "half": torch.float16, "bf16": torch.bfloat16,
+           "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Which dtype the model computes in and which dtype gradients travel in."""
+
+    compute: torch.dtype = torch.float32
+    reduce: torch.dtype = torch.float32
+
+    @classmethod
+    def from_config(cls, cfg) -> "Precision":
+        compute = torch.float16 if cfg.fp16.enabled else (
+            torch.bfloat16 if cfg.bf16.enabled else torch.float32)
+        reduce = _DTYPES[cfg.communication_data_type] if cfg.communication_data_type else compute
+        return cls(compute, reduce)
+
+    @property
+    def mixed(self) -> bool:
+        return self.compute != torch.float32
