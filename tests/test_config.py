@@ -100,7 +100,7 @@ def test_auto_resolved_from_what_the_engine_knows():
         world_size=2, param_dtype_name="bfloat16")
     assert (cfg.train_batch_size, cfg.gradient_accumulation_steps) == (8, 1)
     assert cfg.bf16.enabled is True and cfg.fp16.enabled is False
-    assert cfg.zero_optimization.reduce_bucket_size == 25_000_000
+    assert cfg.zero_optimization.reduce_bucket_size == 5_000_000
 
 
 def test_auto_refused_by_name_where_unknowable():

@@ -57,6 +57,11 @@ class GradReducer:
         self.accumulation_steps = accumulation_steps
         self.overlap = overlap
         self.use_reduce_scatter = reduce_scatter
+        # Stage 2 holds at most this many staging elements in flight; past it, backward waits
+        # for the oldest bucket (two buckets' worth: one filling, one on the wire).
+        self.max_staging_numel = 2 * max((seg.numel for g in groups
+                                          for seg in g.layout.segments), default=0)
+        self._in_flight: list[Bucket] = []  # launched, not yet finished, in launch order
         self.buckets = [Bucket(g, s) for g in groups for s in range(len(g.layout.segments))]
         # Launch order: by when backward completes a bucket, i.e. by the position of its
         # earliest-registered parameter (backward runs roughly in reverse registration order).
@@ -149,9 +154,22 @@ class GradReducer:
         while self._next_launch < len(self.buckets):
             b = self.buckets[self._next_launch]
             if len(b.ready) < len(b.param_indices):
-                return
+                break
             self._start_reduce(b)
             self._next_launch += 1
+        self._reap()
+
+    def _reap(self) -> None:
+        """Finish buckets whose collective is done (freeing stage-2 staging memory while
+        backward still runs); wait for the oldest while staging in flight is over budget."""
+        while self._in_flight:
+            oldest = self._in_flight[0]
+            over = self.stage >= 2 and sum(
+                b.staging.numel() for b in self._in_flight if b.staging is not None
+            ) > self.max_staging_numel
+            if not (over or oldest.handle.done()):
+                return
+            self._finish_reduce(oldest)
 
     def _end_backward(self) -> None:
         if self._reduce_now:
@@ -168,8 +186,12 @@ class GradReducer:
         while self._next_launch < len(self.buckets):
             self._start_reduce(self.buckets[self._next_launch])
             self._next_launch += 1
-        for b in self.buckets:
-            self._finish_reduce(b)
+            self._reap()
+        while self._in_flight:
+            self._finish_reduce(self._in_flight[0])
+        # Only now: a bucket finished mid-backward must not make a later bucket of the same
+        # pass accumulate onto the stale shard.
+        self._owned_valid = [True] * len(self.groups)
         self._unreduced = False
 
     # -- one bucket -----------------------------------------------------------------------------
@@ -208,6 +230,7 @@ class GradReducer:
                 after = lambda: owned.add_(out)  # noqa: E731
         b.finish = after
         b.launched = True
+        self._in_flight.append(b)
 
     def _owned_chunk(self, g: FlatParamGroup, segment: int) -> torch.Tensor:
         """Where the rank's reduced gradient for one segment lives."""
@@ -237,8 +260,7 @@ class GradReducer:
             b.finish()
         b.handle, b.finish, b.launched = None, None, False
         b.staging = None  # stage 2: the bucket's memory goes back
-        if self.stage >= 1:
-            self._owned_valid[b.group.group_index] = True
+        self._in_flight.remove(b)
 
     # -- step-time --------------------------------------------------------------------------------
     def flush(self) -> None:

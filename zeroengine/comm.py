@@ -69,6 +69,10 @@ class Handle:
     def __init__(self, work=None, after: Callable[[], None] | None = None):
         self._work, self._after = work, after
 
+    def done(self) -> bool:
+        """True once wait() would not block."""
+        return self._work is None or self._work.is_completed()
+
     def wait(self) -> None:
         if self._work is not None:
             self._work.wait()

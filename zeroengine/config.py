@@ -60,9 +60,11 @@ class ZeroConfig:
     overlap_comm: bool = option(True, "Launch each gradient bucket's collective as soon as "
                                 "backward has produced it, overlapping communication with the "
                                 "rest of backward. False: all buckets are sent after backward.")
-    reduce_bucket_size: int = option(25_000_000, "Elements per gradient bucket (one "
-                                     "reduce-scatter / all-reduce each). Smaller buckets overlap "
-                                     "earlier; larger ones make fewer calls.", lo=1, auto=True)
+    reduce_bucket_size: int = option(5_000_000, "Elements per gradient bucket (one "
+                                     "reduce-scatter / all-reduce each). Smaller buckets start "
+                                     "communicating earlier in backward and, at stage 2, bound "
+                                     "the gradient memory in flight (two buckets); larger ones "
+                                     "make fewer calls.", lo=1, auto=True)
     allgather_bucket_size: int = option(50_000_000, "Most elements in flight at once in the "
                                         "all-gather of updated parameters after a step.", lo=1)
     reduce_scatter: bool = option(True, "Stages 1-2: reduce-scatter gradients to their owners. "
