@@ -90,3 +90,15 @@ def test_flatten_rejects_overrun(use_ext):
 def test_layout_rejects_bad_world_size():
     with pytest.raises(ValueError, match="world_size"):
         FlatLayout([(3,)], 0, 10)
+
+
+@settings(max_examples=100, deadline=None)
+@given(units=st.lists(st.integers(0, 3), min_size=1, max_size=12), world=st.integers(1, 5),
+       bucket=st.integers(1, 60))
+def test_segments_never_span_two_units(units, world, bucket):
+    units = sorted(units)
+    shapes = [(1 + i % 4, 3) for i in range(len(units))]
+    layout = FlatLayout(shapes, world, bucket, units=units)
+    for seg in layout.segments:
+        assert len({units[i] for i in seg.params}) == 1
+    assert sum(len(seg.params) for seg in layout.segments) == len(units)

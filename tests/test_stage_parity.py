@@ -1,4 +1,4 @@
-"""Stages 0-2 at world sizes 1-3 give the parameters of single-process PyTorch training on the
+"""Stages 0-3 at world sizes 1-3 give the parameters of single-process PyTorch training on the
 same global batches: two param groups, AdamW and SGD-momentum, accumulation and clipping, tied,
 frozen and unused parameters, tiny buckets and one big bucket."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ from models import batch, loss_fn, make_model, make_optimizer, max_relative_erro
 STEPS = 4
 CASES = [dict(stage=s, opt=o, accumulation=a, clip=c, bucket=b)
          for s, o, (a, c), b in itertools.product(
-             (0, 1, 2), ("adamw", "sgd"), ((1, 0.0), (2, 0.05)), (40, 10_000_000))]
+             (0, 1, 2, 3), ("adamw", "sgd"), ((1, 0.0), (2, 0.05)), (40, 10_000_000))]
 
 
 def case_id(c):
@@ -31,7 +31,10 @@ def train_cases(cases, drop_in=False):
         opt = make_optimizer(c["opt"], param_groups(model))
         config = {"gradient_accumulation_steps": c["accumulation"],
                   "gradient_clipping": c["clip"],
-                  "zero_optimization": {"stage": c["stage"], "reduce_bucket_size": c["bucket"]}}
+                  "zero_optimization": {"stage": c["stage"], "reduce_bucket_size": c["bucket"],
+                                        # stage 3: partition every parameter, however small
+                                        "stage3_param_persistence_threshold":
+                                            c.get("persist", 0)}}
         engine = zeroengine.initialize(model, config, optimizer=opt)
         rank = engine.comm.rank
         for step in range(STEPS):
@@ -47,8 +50,13 @@ def train_cases(cases, drop_in=False):
                 engine.optimizer.step()
                 engine.optimizer.zero_grad()
         assert engine.global_steps == (0 if drop_in else STEPS)
+        if c["stage"] == 3 and engine.comm.world_size > 1:
+            # really partitioned, and nothing left gathered between steps
+            assert engine.fetcher.gathers > 0 and not engine.fetcher.gathered
+            assert all(p.untyped_storage().nbytes() == 0 for fg in engine.flat_groups
+                       if fg.partitioned for p in fg.params)
         out.append((engine.consolidated_state_dict(), engine.get_global_grad_norm()))
-        engine.reducer.remove_hooks()
+        engine.close()
     return out
 
 
@@ -71,7 +79,8 @@ def test_matches_single_process_reference(trained, case):
         assert norm is not None and norm > 0
 
 
-DROP_IN = [dict(stage=s, opt="adamw", accumulation=1, clip=0.0, bucket=40) for s in (0, 1, 2)]
+DROP_IN = [dict(stage=s, opt="adamw", accumulation=1, clip=0.0, bucket=40)
+           for s in (0, 1, 2, 3)]
 
 
 def test_drop_in_torch_loop_matches_reference():

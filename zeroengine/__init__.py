@@ -27,8 +27,6 @@ __all__ = ["initialize", "init_distributed", "ZeroEngine", "ConfigError", "Confi
 
 def _refuse_unimplemented(cfg: Config) -> None:
     zero = cfg.zero_optimization
-    if zero.stage == 3:
-        raise ConfigError("zero_optimization.stage 3 is not implemented yet; use stage 0, 1 or 2")
     for key in ("offload_optimizer", "offload_param"):
         if getattr(zero, key).device != "none":
             raise ConfigError(f"zero_optimization.{key}.device 'cpu' is not implemented yet; "

@@ -73,7 +73,7 @@ class GradReducer:
             for i in b.param_indices:
                 self._where[id(b.group.params[i])] = (b, i)
 
-        device = groups[0].data.device if groups else torch.device("cpu")
+        device = groups[0].device if groups else torch.device("cpu")
         # Full-size gradient buffers (stages 0-1); param.grad are views into them.
         self.full_grads: list[FlatBuffer | None] = []
         for g in groups:
@@ -89,7 +89,7 @@ class GradReducer:
         # buffer is the shard (stage 1 reduce-scatters in place; stage 0 owns everything).
         self.owned: list[torch.Tensor | None] = [
             torch.zeros(g.layout.shard_numel, dtype=self._reduce_dtype(g), device=device)
-            if stage == 2 or (stage == 1 and self._reduce_dtype(g) != g.dtype) else None
+            if stage >= 2 or (stage == 1 and self._reduce_dtype(g) != g.dtype) else None
             for g in groups]
         self._owned_valid = [False] * len(groups)  # False: owned holds nothing this boundary
         self._hooks = []
@@ -101,6 +101,9 @@ class GradReducer:
         self._next_launch = 0
         self.backwards_since_step = 0
         self._unreduced = False  # stages 0-1: local gradients not yet reduced
+        # Stage 3 listens: a segment whose gradients are all taken is no longer needed whole.
+        self.on_segment_done = None
+        self.on_backward_end = None
         # fp16: a backward that did not go through engine.backward has no loss scale applied.
         self.require_scaled_backward = False
         self.scaled_backward_pending = False
@@ -131,12 +134,14 @@ class GradReducer:
                 # Uninitialised: every byte is written by a gradient, or zeroed at launch
                 # (padding, parameters that got none) - one memory pass saved per micro-step.
                 bucket.staging = torch.empty(g.layout.segments[bucket.segment].numel,
-                                             dtype=self._reduce_dtype(g), device=g.data.device)
+                                             dtype=self._reduce_dtype(g), device=g.device)
             slot = g.layout.slots[index]
             start = slot.offset - g.layout.segments[bucket.segment].start
             bucket.staging[start:start + slot.numel].copy_(param.grad.reshape(-1))
             param.grad = None
         bucket.ready.add(index)
+        if self.on_segment_done is not None and len(bucket.ready) == len(bucket.param_indices):
+            self.on_segment_done(g, bucket.segment)
         if self._reduce_now and self.overlap:
             self._launch_ready()
 
@@ -180,6 +185,8 @@ class GradReducer:
             b.ready.clear()
         self.backwards_since_step += 1
         self._in_backward = False
+        if self.on_backward_end is not None:
+            self.on_backward_end()
 
     def _reduce_all(self) -> None:
         """Launch every bucket not yet launched, in order, then wait for all of them."""
@@ -205,7 +212,7 @@ class GradReducer:
             source = grads if dtype == g.dtype else grads.to(dtype)
         else:
             if b.staging is None:  # no parameter of this bucket got a gradient here
-                b.staging = torch.zeros(seg.numel, dtype=dtype, device=g.data.device)
+                b.staging = torch.zeros(seg.numel, dtype=dtype, device=g.device)
             else:
                 self._zero_unwritten(b)
             source = b.staging

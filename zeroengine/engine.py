@@ -18,6 +18,7 @@ from .ops import flatten_into, unflatten_from
 from .optim import ShardedOptimizer
 from .partition import FlatParamGroup
 from .precision import LossScaler, Precision
+from .stage3 import ParamFetcher
 
 
 class ZeroEngine:
@@ -36,26 +37,22 @@ class ZeroEngine:
 
         self._broadcast_module_state()  # every rank starts from rank 0's values, as in DDP
         order = {id(p): i for i, p in enumerate(module.parameters())}
-        shard_world = comm.world_size if self.stage >= 1 else 1
-        self.flat_groups: list[FlatParamGroup] = []
-        for gi, group in enumerate(optimizer.param_groups):
-            trainable = [p for p in group["params"] if p.requires_grad]
-            # Reverse registration order: the first segments are the first finished in backward.
-            params = sorted(trainable, key=lambda p: -order[id(p)])
-            if self.precision.mixed:  # one flat buffer in the compute dtype
-                by_dtype = [(self.precision.compute, params)] if params else []
-            else:  # each dtype keeps its own buffer
-                by_dtype = bucket_params(params)
-            for dtype, same_dtype in by_dtype:
-                self.flat_groups.append(FlatParamGroup(
-                    same_dtype, gi, comm.rank, shard_world, zero.reduce_bucket_size, device,
-                    compute_dtype=dtype))
+        self.flat_groups = self._lay_out_parameters(optimizer, order, device)
         if self.precision.mixed:
             self._cast_rest_of_module(self.precision.compute)
+        self.fetcher = None
+        partitioned = [fg for fg in self.flat_groups if fg.partitioned]
+        if partitioned:
+            self.fetcher = ParamFetcher(module, partitioned, comm,
+                                        prefetch_numel=zero.stage3_prefetch_bucket_size,
+                                        max_live_numel=zero.stage3_max_live_parameters)
         self.reducer = GradReducer(
             self.flat_groups, comm, self.stage, self.gradient_accumulation_steps,
             overlap=zero.overlap_comm, reduce_scatter=zero.reduce_scatter, param_order=order,
             reduce_dtype=self.precision.reduce if config.communication_data_type else None)
+        if self.fetcher is not None:
+            self.reducer.on_segment_done = self._segment_done
+            self.reducer.on_backward_end = self.fetcher.end_of_pass
         scaler = LossScaler.from_config(config.fp16) if config.fp16.enabled else None
         self.reducer.require_scaled_backward = scaler is not None
         self.optimizer = ShardedOptimizer(optimizer, self.flat_groups, self.reducer, comm,
@@ -66,6 +63,54 @@ class ZeroEngine:
         self.lr_scheduler = lr_scheduler
         if lr_scheduler is not None and hasattr(lr_scheduler, "optimizer"):
             lr_scheduler.optimizer = self.optimizer
+
+    def _lay_out_parameters(self, optimizer, order: dict[int, int],
+                            device: torch.device) -> list[FlatParamGroup]:
+        """One FlatParamGroup per (optimizer group, dtype); at stage 3 split further into
+        parameters kept whole (below stage3_param_persistence_threshold elements) and
+        partitioned ones, whose segments follow the modules that hold them."""
+        zero = self.config.zero_optimization
+        shard_world = self.comm.world_size if self.stage >= 1 else 1
+        owner: dict[int, int] = {}  # parameter -> index of the first module holding it
+        for mi, mod in enumerate(self.module.modules()):
+            for p in mod.parameters(recurse=False):
+                owner.setdefault(id(p), mi)
+        groups: list[FlatParamGroup] = []
+        for gi, group in enumerate(optimizer.param_groups):
+            trainable = [p for p in group["params"] if p.requires_grad]
+            # Reverse registration order: the first segments are the first finished in backward.
+            params = sorted(trainable, key=lambda p: -order[id(p)])
+            if self.precision.mixed:  # one flat buffer in the compute dtype
+                by_dtype = [(self.precision.compute, params)] if params else []
+            else:  # each dtype keeps its own buffer
+                by_dtype = bucket_params(params)
+            for dtype, same in by_dtype:
+                whole = same
+                if self.stage == 3:
+                    limit = zero.stage3_param_persistence_threshold
+                    whole = [p for p in same if p.numel() < limit]
+                    split = sorted((p for p in same if p.numel() >= limit),
+                                   key=lambda p: (-owner[id(p)], -order[id(p)]))
+                    if split:
+                        groups.append(FlatParamGroup(
+                            split, gi, self.comm.rank, shard_world, zero.reduce_bucket_size,
+                            device, compute_dtype=dtype, partitioned=True,
+                            units=[owner[id(p)] for p in split]))
+                if whole:
+                    groups.append(FlatParamGroup(whole, gi, self.comm.rank, shard_world,
+                                                 zero.reduce_bucket_size, device,
+                                                 compute_dtype=dtype))
+        return groups
+
+    def _segment_done(self, group: FlatParamGroup, segment: int) -> None:
+        if group.partitioned:
+            self.fetcher.on_segment_reduced(group, segment)
+
+    def close(self) -> None:
+        """Remove every hook the engine put on the model and its parameters."""
+        self.reducer.remove_hooks()
+        if self.fetcher is not None:
+            self.fetcher.remove_hooks()
 
     def _broadcast_module_state(self, max_numel: int = 1 << 25) -> None:
         """Rank 0's parameters and buffers to every rank, a few large broadcasts per dtype."""
@@ -171,6 +216,8 @@ class ZeroEngine:
         """Bytes this rank holds now for model states, by category."""
         managed = {id(p) for fg in self.flat_groups for p in fg.params}
         params = sum(fg.nbytes() for fg in self.flat_groups)
+        if self.fetcher is not None:
+            params += self.fetcher.gathered_nbytes()
         params += sum(p.numel() * p.element_size() for p in self.module.parameters()
                       if id(p) not in managed)
         grads = self.reducer.nbytes()

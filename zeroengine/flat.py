@@ -72,7 +72,9 @@ class FlatLayout:
     """Pure partition math for one flat buffer: which element lives where, who owns it."""
 
     def __init__(self, shapes: Sequence[Sequence[int]], world_size: int, bucket_numel: int,
-                 align: int = 1):
+                 align: int = 1, units: Sequence[int] | None = None):
+        """``units``: optional unit id per parameter (stage 3: the module that fetches it); a
+        segment never spans two units, so a module's parameters are gathered in whole segments."""
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if bucket_numel < 1:
@@ -98,10 +100,11 @@ class FlatLayout:
             shard_cursor += padded // world_size
             current, current_used = [], 0
 
-        for shape in shapes:
+        for index, shape in enumerate(shapes):
             shape = tuple(int(s) for s in shape)
             numel = math.prod(shape)
-            if current and current_used + numel > bucket_numel:
+            new_unit = units is not None and current and units[index] != units[index - 1]
+            if current and (current_used + numel > bucket_numel or new_unit):
                 close_segment()
             slots.append(ParamSlot(cursor + current_used, numel, shape, len(segments)))
             current.append(len(slots) - 1)

@@ -79,7 +79,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def global_grad_norm(self, grads: list[list[torch.Tensor]]) -> float:
         """L2 norm of the full (reduced) gradient: local sum of squares + one tiny all-reduce."""
-        device = self.flat_groups[0].data.device if self.flat_groups else "cpu"
+        device = self.flat_groups[0].device if self.flat_groups else "cpu"
         total = torch.zeros(1, dtype=torch.float32, device=device)
         for segs in grads:
             for g in segs:
@@ -148,7 +148,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 fg = self.flat_groups[fi]
                 fg.master_segments[s].grad = None
                 fg.publish_master([s])
-                if fg.sharded:
+                if fg.sharded and not fg.partitioned:  # stage 3 gathers on use instead
                     in_flight = self._all_gather_segment(fg, s, in_flight)
         for handle, _ in in_flight:
             handle.wait()
@@ -161,12 +161,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                             in_flight: list[tuple[Handle, int]]) -> list[tuple[Handle, int]]:
         """Start gathering every rank's updated chunk of segment s, keeping at most
         allgather_bucket_numel elements in flight."""
-        full = fg.buffer.segment_view(s)
+        full = fg.full.segment_view(s)
         if sum(n for _, n in in_flight) + full.numel() > self.allgather_bucket_numel:
             for handle, _ in in_flight:
                 handle.wait()
             in_flight = []
-        handle = self.comm.all_gather(full, fg.buffer.chunk_view(s, fg.rank), async_op=True)
+        handle = self.comm.all_gather(full, fg.chunk(s), async_op=True)
         return in_flight + [(handle, full.numel())]
 
     def zero_grad(self, set_to_none: bool = True) -> None:

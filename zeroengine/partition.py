@@ -1,9 +1,15 @@
 """The trainable parameters of one (optimizer param group, dtype), re-laid into a flat buffer.
 
-After construction every parameter's ``.data`` is a view into ``self.data``, so the model keeps
-working unchanged while the engine moves whole segments at once. The rank's *master* view is
-what its optimizer updates: its chunk of every segment. In fp32 that is the parameter memory
-itself (no copy); for a lower-precision compute dtype it is a separate fp32 shard.
+Two modes:
+- whole (stages 0-2, and stage-3 parameters below the persistence threshold): ``self.full``
+  holds every element; each parameter's ``.data`` is a view into it, so the model runs unchanged.
+- partitioned (stage 3): ``self.shard`` holds only this rank's chunks; each parameter is a view
+  into its segment's full tensor, whose storage is empty until stage3.ParamFetcher gathers the
+  segment for a module that needs it.
+
+The rank's *master* chunks are what its optimizer updates. In fp32 they are the parameter memory
+itself (no copy); for a lower-precision compute dtype they are a separate fp32 shard, taken from
+the parameters before they were cast so the master keeps every bit of the initial values.
 """
 from __future__ import annotations
 
@@ -16,53 +22,79 @@ from .ops import flatten_into
 class FlatParamGroup:
     def __init__(self, params: list[torch.nn.Parameter], group_index: int, rank: int,
                  shard_world: int, bucket_numel: int, device: torch.device, align: int = 16,
-                 compute_dtype: torch.dtype | None = None):
-        """``shard_world`` is the number of owners: the world size, or 1 at stage 0.
-        ``compute_dtype``: the dtype the model computes in (default: the params' own)."""
+                 compute_dtype: torch.dtype | None = None, partitioned: bool = False,
+                 units: list[int] | None = None):
+        """``shard_world``: the number of owners (the world size, or 1 at stage 0).
+        ``compute_dtype``: the dtype the model computes in (default: the params' own).
+        ``units``: stage 3's fetch unit per parameter; segments follow unit boundaries."""
         self.params = params
         self.group_index = group_index
         self.rank = rank if shard_world > 1 else 0
         self.dtype = compute_dtype or params[0].dtype
-        self.layout = FlatLayout([p.shape for p in params], shard_world, bucket_numel, align)
-        if self.dtype == torch.float32:
-            self.master = None  # the parameters themselves are the fp32 master
+        self.device = device
+        self.partitioned = partitioned
+        self.layout = FlatLayout([p.shape for p in params], shard_world, bucket_numel, align,
+                                 units)
+        pieces = self.layout.shard_pieces(self.rank)
+        self.master = None  # fp32: the parameters (or their shard) are the master
+        if self.dtype != torch.float32:
+            self.master = self._shard_of(params, pieces, torch.float32)
+        self.full: FlatBuffer | None = None
+        self.shard: torch.Tensor | None = None
+        self.segment_full: list[torch.Tensor] = []
+        if partitioned:
+            self.shard = self._shard_of(params, pieces, self.dtype)
+            # One full-size tensor per segment whose *storage* is emptied when released and
+            # refilled when gathered; parameters stay views into it, so tensors autograd saved
+            # (even views such as weight.t()) are valid again once the segment is re-gathered.
+            self.segment_full = []
+            for seg in self.layout.segments:
+                full = torch.empty(seg.numel, dtype=self.dtype, device=device)
+                for i in seg.params:
+                    slot = self.layout.slots[i]
+                    begin = slot.offset - seg.start
+                    params[i].data = full[begin:begin + slot.numel].view(slot.shape)
+                full.untyped_storage().resize_(0)
+                self.segment_full.append(full)
         else:
-            # Taken from the parameters *before* they are cast to the compute dtype, so the
-            # master keeps every bit of the initial fp32 values.
-            self.master = torch.zeros(self.layout.shard_numel, dtype=torch.float32,
-                                      device=device)
-            for piece in self.layout.shard_pieces(self.rank):
-                source = params[piece.param].detach().reshape(-1)
-                self.master[piece.shard_offset:piece.shard_offset + piece.numel].copy_(
-                    source[piece.param_offset:piece.param_offset + piece.numel])
-        self.buffer = FlatBuffer(self.layout, self.dtype, device)
-        flatten_into([p.detach() for p in params], self.buffer.data,
-                     [s.offset for s in self.layout.slots])
-        for i, p in enumerate(params):
-            p.data = self.buffer.param_view(i)
-        if self.master is None:
-            self.master_segments = [self.buffer.chunk_view(s, self.rank)
-                                    for s in range(len(self.layout.segments))]
-        else:
-            self.master_segments = shard_segment_views(self.master, self.layout)
+            self.full = FlatBuffer(self.layout, self.dtype, device)
+            flatten_into([p.detach() for p in params], self.full.data,
+                         [s.offset for s in self.layout.slots])
+            for i, p in enumerate(params):
+                p.data = self.full.param_view(i)
+        segments = range(len(self.layout.segments))
+        self.master_segments = [self.chunk(s) for s in segments] if self.master is None else \
+            shard_segment_views(self.master, self.layout)
 
-    @property
-    def data(self) -> torch.Tensor:
-        return self.buffer.data
+    def _shard_of(self, params, pieces, dtype) -> torch.Tensor:
+        """This rank's chunks of ``params``, gathered into one shard tensor of ``dtype``."""
+        shard = torch.zeros(self.layout.shard_numel, dtype=dtype, device=self.device)
+        for piece in pieces:
+            source = params[piece.param].detach().reshape(-1)
+            shard[piece.shard_offset:piece.shard_offset + piece.numel].copy_(
+                source[piece.param_offset:piece.param_offset + piece.numel])
+        return shard
 
     @property
     def sharded(self) -> bool:
         return self.layout.world_size > 1
 
+    def chunk(self, s: int) -> torch.Tensor:
+        """This rank's chunk of segment s, in the compute dtype."""
+        if self.partitioned:
+            seg = self.layout.segments[s]
+            return self.shard[seg.shard_offset:seg.shard_offset + seg.chunk_numel]
+        return self.full.chunk_view(s, self.rank)
+
     def publish_master(self, segments=None) -> None:
-        """Copy updated master values into the compute-dtype parameter chunks (mixed precision)."""
+        """Copy updated master values into the compute-dtype chunks (mixed precision)."""
         if self.master is not None:
             for s in (range(len(self.master_segments)) if segments is None else segments):
-                self.buffer.chunk_view(s, self.rank).copy_(self.master_segments[s])
+                self.chunk(s).copy_(self.master_segments[s])
 
     def full_fp32(self, comm) -> torch.Tensor:
         """The whole flat buffer in fp32, gathered from every rank's master (collective)."""
-        full = torch.empty(self.layout.numel, dtype=torch.float32, device=self.data.device)
+        full = torch.empty(self.layout.numel, dtype=torch.float32, device=self.device)
         for s, seg in enumerate(self.layout.segments):
             out = full[seg.start:seg.start + seg.numel]
             if self.sharded:
@@ -72,7 +104,9 @@ class FlatParamGroup:
         return full
 
     def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
+        """Parameter bytes this group holds permanently (gathered segments not included)."""
+        data = self.shard if self.partitioned else self.full.data
+        return data.numel() * data.element_size()
 
     def master_nbytes(self) -> int:
         return 0 if self.master is None else self.master.numel() * 4
