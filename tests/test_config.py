@@ -236,8 +236,9 @@ def test_initialize_refusals():
         zeroengine.initialize(m, {}, optimizer=torch.optim.LBFGS(m.parameters()))
     with pytest.raises(ValueError, match="not a parameter of the model"):
         zeroengine.initialize(m, {}, optimizer=torch.optim.SGD(_model().parameters(), lr=0.1))
-    with pytest.raises(ConfigError, match="stage 3 is not implemented yet"):
-        zeroengine.initialize(m, {**adam, "zero_optimization": {"stage": 3}})
+    with pytest.raises(ConfigError, match="offload_optimizer.device 'cpu' is not implemented"):
+        zeroengine.initialize(m, {**adam, "zero_optimization": {
+            "stage": 3, "offload_optimizer": {"device": "cpu"}}})
     frozen = _model().requires_grad_(False)
     with pytest.raises(ValueError, match="no trainable parameters"):
         zeroengine.initialize(frozen, adam)
