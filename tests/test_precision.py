@@ -16,7 +16,8 @@ STEPS = 4
 
 def precision_config(name: str, stage: int, clip: float = 1.0, **fp16) -> dict:
     cfg = {"gradient_accumulation_steps": 2, "gradient_clipping": clip,
-           "zero_optimization": {"stage": stage, "reduce_bucket_size": 40}}
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 40,
+                                 "stage3_param_persistence_threshold": 0}}
     if name.startswith("bf16"):
         cfg["bf16"] = {"enabled": True}
     if name.startswith("fp16"):
@@ -31,7 +32,7 @@ def precision_config(name: str, stage: int, clip: float = 1.0, **fp16) -> dict:
 # (precision, stage, optimizer, clip). Adam is blind to a constant gradient scale and clipping
 # normalises it away, so SGD without clipping is what catches a missing or doubled unscale.
 CASES = [(p, s, "adamw", 1.0) for p in ("bf16", "fp16", "bf16-fp32reduce", "fp16-static")
-         for s in (0, 1, 2)] + [(p, s, "sgd", 0.0) for p in ("bf16", "fp16") for s in (0, 2)]
+         for s in (0, 1, 2, 3)] + [(p, s, "sgd", 0.0) for p in ("bf16", "fp16") for s in (0, 3)]
 
 
 def train(cases, drop_in=False):
@@ -58,7 +59,7 @@ def train(cases, drop_in=False):
             scales.append(engine.loss_scale)
         dtypes = {str(p.dtype) for p in model.parameters()}
         out.append((engine.consolidated_state_dict(), engine.skipped_steps, scales, dtypes))
-        engine.reducer.remove_hooks()
+        engine.close()
     return out
 
 
@@ -67,7 +68,7 @@ def relative_deviation(state: dict, reference: dict, initial: dict) -> float:
     trajectory strays from the fp32 one, relative to how far training moved the weights."""
     num = den = 0.0
     for k, ref in reference.items():
-        if k.startswith("frozen") or k == "scale":
+        if k.startswith("frozen") or k == "scale":  # not trained
             continue
         num += (state[k] - ref).double().pow(2).sum().item()
         den += (ref - initial[k]).double().pow(2).sum().item()
@@ -191,7 +192,8 @@ def mixed_memory(stages, precision):
         scaling = {"initial_scale_power": 8} if precision == "fp16" else {}
         engine = zeroengine.initialize(model, {
             precision: {"enabled": True, **scaling}, "optimizer": {"type": "AdamW"},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 10_000}})
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 10_000,
+                                  "stage3_param_persistence_threshold": 0}})
         x = torch.randn(8, 64).to(engine.precision.compute)
         for _ in range(2):
             engine.backward(engine(x).float().square().mean())
@@ -200,16 +202,18 @@ def mixed_memory(stages, precision):
         segments = sum(len(fg.layout.segments) for fg in engine.flat_groups)
         out[stage] = (engine.memory_report(), padded, segments,
                       sum(p.numel() for p in model.parameters()))
-        engine.reducer.remove_hooks()
+        engine.close()
     return out
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_memory_follows_zero_paper(precision):
-    """Bytes per parameter: stage 0: 2+2+12 = 16; stage 1: 2+2+12/N; stage 2: 2+2/N+12/N."""
+    """Bytes per parameter: stage 0: 2+2+12 = 16; stage 1: 2+2+12/N; stage 2: 2+2/N+12/N;
+    stage 3: 16/N (outside forward/backward)."""
     world = 2
-    formulas = {0: (2, 2, 12), 1: (2, 2, 12 / world), 2: (2, 2 / world, 12 / world)}
-    for per_rank in run_ranks(world, mixed_memory, [0, 1, 2], precision):
+    formulas = {0: (2, 2, 12), 1: (2, 2, 12 / world), 2: (2, 2 / world, 12 / world),
+                3: (2 / world, 2 / world, 12 / world)}
+    for per_rank in run_ranks(world, mixed_memory, [0, 1, 2, 3], precision):
         for stage, (report, padded, segments, params) in per_rank.items():
             for key, per_param in zip(("params", "grads", "optimizer_states"), formulas[stage]):
                 low, high = per_param * params, per_param * padded + 8 * segments

@@ -19,10 +19,11 @@ from .config import Config, ConfigError, parse_config, resolve_auto
 from .engine import ZeroEngine
 from .optim_factory import check_elementwise, optimizer_from_config
 from .schedulers import scheduler_from_config
+from .stage3 import gathered_parameters
 
 __version__ = "0.1.0"
-__all__ = ["initialize", "init_distributed", "ZeroEngine", "ConfigError", "Config",
-           "parse_config", "__version__"]
+__all__ = ["initialize", "init_distributed", "gathered_parameters", "ZeroEngine",
+           "ConfigError", "Config", "parse_config", "__version__"]
 
 
 def _refuse_unimplemented(cfg: Config) -> None:

@@ -18,7 +18,7 @@ from .ops import flatten_into, unflatten_from
 from .optim import ShardedOptimizer
 from .partition import FlatParamGroup
 from .precision import LossScaler, Precision
-from .stage3 import ParamFetcher
+from .stage3 import ParamFetcher, register_whole, unregister_whole
 
 
 class ZeroEngine:
@@ -41,6 +41,7 @@ class ZeroEngine:
         if self.precision.mixed:
             self._cast_rest_of_module(self.precision.compute)
         self.fetcher = None
+        register_whole([fg for fg in self.flat_groups if not fg.partitioned], comm)
         partitioned = [fg for fg in self.flat_groups if fg.partitioned]
         if partitioned:
             self.fetcher = ParamFetcher(module, partitioned, comm,
@@ -60,6 +61,8 @@ class ZeroEngine:
                                           allgather_bucket_numel=zero.allgather_bucket_size,
                                           loss_scaler=scaler,
                                           sub_group_numel=zero.sub_group_size)
+        if self.fetcher is not None:
+            self.optimizer.after_step = self.fetcher.refresh_gathered
         self.lr_scheduler = lr_scheduler
         if lr_scheduler is not None and hasattr(lr_scheduler, "optimizer"):
             lr_scheduler.optimizer = self.optimizer
@@ -109,6 +112,7 @@ class ZeroEngine:
     def close(self) -> None:
         """Remove every hook the engine put on the model and its parameters."""
         self.reducer.remove_hooks()
+        unregister_whole(self.flat_groups)
         if self.fetcher is not None:
             self.fetcher.remove_hooks()
 

@@ -54,6 +54,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.skipped_steps = 0
         self.steps = 0
         self.sub_groups = self._plan_sub_groups(sub_group_numel)
+        self.after_step = None  # stage 3: refresh segments still gathered across the step
         inner_groups = []
         self._inner_of_outer: list[list[int]] = [[] for _ in self.param_groups]
         for fg in flat_groups:
@@ -152,6 +153,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     in_flight = self._all_gather_segment(fg, s, in_flight)
         for handle, _ in in_flight:
             handle.wait()
+        if self.after_step is not None:
+            self.after_step()
         return None
 
     # Tells torch's LRScheduler that step() already records _opt_called, so it does not warn.

@@ -21,6 +21,7 @@ gathered on demand, and one prefetched but never used is released when the pass 
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -35,8 +36,13 @@ Key = tuple[int, int]  # (index of the partitioned group, segment)
 @dataclass
 class _Gathered:
     handle: Handle | None  # the all-gather, until waited for
-    refs: int = 0  # forward calls holding it
+    refs: int = 0  # module forward calls holding it
+    user_refs: int = 0  # gathered_parameters blocks holding it
     in_backward: bool = False  # gathered for a backward computation
+
+    @property
+    def held(self) -> bool:
+        return self.refs > 0 or self.user_refs > 0
 
 
 class _PreBackward(torch.autograd.Function):
@@ -78,6 +84,9 @@ class ParamFetcher:
             for s, seg in enumerate(g.layout.segments):
                 for i in seg.params:
                     where[id(g.params[i])] = (gi, s)
+        self.where = where
+        for param_id in where:
+            _FETCHER_OF[param_id] = self
         self._hooks = []
         self.module_keys: dict[nn.Module, list[Key]] = {}
         for mod in module.modules():
@@ -95,6 +104,7 @@ class ParamFetcher:
         self._positions: dict[str, dict[Key, int]] = {"forward": {}, "backward": {}}
         self._phase = "forward"
         self.gathers = 0  # all-gathers issued (for tests and reports)
+        self.passes = 0  # backward passes ended
 
     # -- module hooks ------------------------------------------------------------------------
     def _pre_forward(self, module, args):
@@ -140,18 +150,44 @@ class ParamFetcher:
             entry.handle.wait()  # never free memory a collective is still writing
         self.groups[key[0]].segment_full[key[1]].untyped_storage().resize_(0)
 
-    def acquire(self, keys: list[Key]) -> None:
+    def acquire(self, keys: list[Key], user: bool = False) -> None:
         """Gather ``keys`` (if needed) and hold them until ``release``."""
         for key in keys:
-            self._ready(key).refs += 1
+            entry = self._ready(key)
+            if user:
+                entry.user_refs += 1
+            else:
+                entry.refs += 1
         self._prefetch_after(keys)
 
-    def release(self, keys: list[Key]) -> None:
+    def release(self, keys: list[Key], user: bool = False,
+                keep_for_backward: bool = False) -> None:
+        """Drop a hold; the segment is freed when nothing holds it, unless
+        ``keep_for_backward`` keeps it until the end of the next backward."""
         for key in keys:
-            entry = self.gathered[key]
-            entry.refs -= 1
-            if entry.refs == 0 and not entry.in_backward:
+            entry = self.gathered.get(key)
+            if entry is None:  # already cleared at the end of a backward
+                continue
+            if user:
+                entry.user_refs -= 1
+            else:
+                entry.refs = max(0, entry.refs - 1)
+            entry.in_backward = entry.in_backward or keep_for_backward
+            if not entry.held and not entry.in_backward:
                 self._free(key)
+
+    def write_back(self, keys: list[Key], src: int) -> None:
+        """Rank ``src``'s (possibly modified) full values become every rank's: broadcast each
+        segment, then every rank refreshes its own chunk and fp32 master from it."""
+        for gi, s in keys:
+            g = self.groups[gi]
+            full = g.segment_full[s]
+            self.comm.broadcast(full, src)
+            begin, end = g.layout.segments[s].chunk_range(g.rank)
+            start = g.layout.segments[s].start
+            g.chunk(s).copy_(full[begin - start:end - start])
+            if g.master is not None:
+                g.master_segments[s].copy_(g.chunk(s))
 
     def gather_for_backward(self, keys: list[Key]) -> None:
         self._phase = "backward"
@@ -163,13 +199,18 @@ class ParamFetcher:
         """Every parameter of the segment has its gradient: backward needs it no more."""
         key = (self.groups.index(group), segment)
         entry = self.gathered.get(key)
-        if entry is not None and entry.refs == 0:
+        if entry is not None and not entry.held:
             self._free(key)
 
     def end_of_pass(self) -> None:
         """After backward (or a forward without backward): release all that is not held, and
-        fix the prefetch order after the first step."""
+        fix the prefetch order after the first step. Module holds are cleared too: a forward
+        cut short (non-reentrant checkpointing stops recomputing as soon as it has what backward
+        needs; or an exception) never ran its modules' release hooks."""
+        for entry in self.gathered.values():
+            entry.refs = 0
         self.release_unheld()
+        self.passes += 1
         self._phase = "forward"
         if self._recording is not None and self._recording["backward"].keys:
             for phase, order in self._recording.items():
@@ -177,8 +218,20 @@ class ParamFetcher:
                 self._positions[phase] = {k: i for i, k in enumerate(order.keys)}
             self._recording = None
 
+    def refresh_gathered(self) -> None:
+        """After an optimizer step: segments still gathered (held across the step) would show
+        stale values; gather them again from the updated shards."""
+        for key, entry in self.gathered.items():
+            if entry.handle is not None:
+                entry.handle.wait()
+            g = self.groups[key[0]]
+            # synchronous: user code holding the segment reads the parameters directly
+            self.comm.all_gather(g.segment_full[key[1]], g.chunk(key[1]))
+            entry.handle = None
+            self.gathers += 1
+
     def release_unheld(self) -> None:
-        for key in [k for k, e in self.gathered.items() if e.refs == 0]:
+        for key in [k for k, e in self.gathered.items() if not e.held]:
             self._free(key)
 
     # -- prefetch ------------------------------------------------------------------------------
@@ -211,6 +264,85 @@ class ParamFetcher:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        for param_id in self.where:
+            if _FETCHER_OF.get(param_id) is self:
+                del _FETCHER_OF[param_id]
+
+
+# Which fetcher partitions a parameter (by id), for gathered_parameters().
+_FETCHER_OF: dict[int, ParamFetcher] = {}
+
+
+@contextlib.contextmanager
+def gathered_parameters(params, modifier_rank: int | None = None):
+    """Inside the block the full values of ``params`` are visible on every rank (a collective:
+    every rank must enter it). With ``modifier_rank=r``, changes made on rank r are written to
+    every rank's shard (and fp32 master) on exit. Parameters not partitioned by stage 3 are
+    already whole; for them only the write-back applies. A loss computed inside the block can
+    be backpropagated after it: the segments then stay gathered until that backward ends."""
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    params = list(params)
+    by_fetcher: dict[int, tuple[ParamFetcher, list[Key]]] = {}
+    for p in params:
+        fetcher = _FETCHER_OF.get(id(p))
+        if fetcher is not None:
+            keys = by_fetcher.setdefault(id(fetcher), (fetcher, []))[1]
+            if fetcher.where[id(p)] not in keys:
+                keys.append(fetcher.where[id(p)])
+    passes = {}
+    for fetcher, keys in by_fetcher.values():
+        keys.sort()
+        fetcher.acquire(keys, user=True)
+        passes[id(fetcher)] = fetcher.passes
+    try:
+        yield
+    finally:
+        for fetcher, keys in by_fetcher.values():
+            if modifier_rank is not None:
+                with torch.no_grad():
+                    fetcher.write_back(keys, modifier_rank)
+            # Kept for a backward still to come only if none ran inside the block.
+            pending = torch.is_grad_enabled() and fetcher.passes == passes[id(fetcher)]
+            fetcher.release(keys, user=True, keep_for_backward=pending)
+        if modifier_rank is not None:
+            partitioned = {id(p) for p in params if id(p) in _FETCHER_OF}
+            whole = [p for p in params if id(p) not in partitioned]
+            if whole:
+                _write_back_whole(whole, modifier_rank)
+
+
+def _write_back_whole(params, src: int) -> None:
+    """Stages 0-2 (or persistent stage-3 parameters): broadcast rank src's values and refresh
+    each rank's fp32 master chunks from them."""
+    touched: dict[int, FlatParamGroup] = {}
+    for p in params:
+        if id(p) not in _WHOLE_OF:
+            raise ValueError(f"parameter of shape {tuple(p.shape)} is not managed by a "
+                             "zeroengine engine")
+        group, comm = _WHOLE_OF[id(p)]
+        comm.broadcast(p.data, src)
+        touched[id(group)] = group
+    for group in touched.values():
+        if group.master is not None:
+            for s, master in enumerate(group.master_segments):
+                master.copy_(group.chunk(s))
+
+
+# Which (group, comm) holds a whole (not partitioned) parameter, for gathered_parameters().
+_WHOLE_OF: dict[int, tuple[FlatParamGroup, Comm]] = {}
+
+
+def register_whole(groups: list[FlatParamGroup], comm: Comm) -> None:
+    for g in groups:
+        for p in g.params:
+            _WHOLE_OF[id(p)] = (g, comm)
+
+
+def unregister_whole(groups: list[FlatParamGroup]) -> None:
+    for g in groups:
+        for p in g.params:
+            _WHOLE_OF.pop(id(p), None)
 
 
 def _wrap_outputs(output, apply):
