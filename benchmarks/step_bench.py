@@ -1,4 +1,4 @@
-"""Step time, peak memory and model-state bytes per rank: zeroengine stages 0-2 vs torch DDP.
+"""Step time, peak memory and model-state bytes per rank: zeroengine stages 0-3 vs torch DDP.
 
 A GPT-like model (~25M parameters, byte vocabulary), world size 2 on CPU with gloo, one thread
 per rank, AdamW, fp32, the same seed and data for every variant. Variants run interleaved
@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from zeroengine.examples.gpt import GPT, GPTConfig, num_params  # noqa: E402
 from zeroengine.local_ranks import run_ranks  # noqa: E402
 
-VARIANTS = ["ddp", "ddp-fused", "zero0", "zero1", "zero2"]
+VARIANTS = ["ddp", "ddp-fused", "zero0", "zero1", "zero2", "zero3"]
 
 
 def model_config(small: bool) -> GPTConfig:

@@ -156,3 +156,83 @@ def held_across_step():
 def test_segment_held_across_a_step_is_refreshed():
     for fresh, unchanged in run_ranks(2, held_across_step):
         assert fresh and not unchanged
+
+
+def prefetching(prefetch_numel, max_live):
+    import zeroengine
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(6)])
+    engine = zeroengine.initialize(model, {
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                              "stage3_prefetch_bucket_size": prefetch_numel,
+                              "stage3_max_live_parameters": max_live}})
+    peak = []
+    for layer in model:  # sample what is gathered whenever a layer starts
+        layer.register_forward_pre_hook(
+            lambda *_: peak.append(engine.fetcher.gathered_numel()))
+    for _ in range(3):
+        engine.backward(engine(torch.ones(2, 16)).square().sum())
+        engine.step()
+    hits = engine.fetcher.prefetch_hits
+    state = engine.consolidated_state_dict()
+    engine.close()
+    return hits, max(peak), state
+
+
+def test_prefetch_runs_ahead_within_limits_and_changes_nothing():
+    segment = 16 * 16 + 16  # one layer, already a multiple of 2 x 16
+    off, on, capped = (run_ranks(2, prefetching, p, m)[0] for p, m in
+                       [(0, 10**9), (3 * segment, 10**9), (3 * segment, 2 * segment)])
+    assert off[0] == 0 and on[0] > 0, (off[0], on[0])
+    assert on[1] > off[1]  # segments gathered ahead of the layer that needs them
+    assert capped[1] <= 2 * segment  # stage3_max_live_parameters bounds prefetching
+    for key in off[2]:
+        assert torch.equal(off[2][key], on[2][key]) and torch.equal(off[2][key], capped[2][key])
+
+
+def persistence():
+    import zeroengine
+    model = nn.Sequential(nn.Linear(30, 30), nn.LayerNorm(30))
+    engine = zeroengine.initialize(model, {
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100}})
+    whole = {name: p.untyped_storage().nbytes() > 0 for name, p in model.named_parameters()}
+    engine.close()
+    return whole
+
+
+def test_small_parameters_stay_whole():
+    whole = run_ranks(2, persistence)[0]
+    assert whole == {"0.weight": False, "0.bias": True, "1.weight": True, "1.bias": True}
+
+
+def inplace_outputs():
+    """Module outputs modified in place (ReLU(inplace=True), +=) before backward."""
+    import zeroengine
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(inplace=True), nn.Linear(16, 16),
+                          nn.ReLU(inplace=True), nn.Linear(16, 2))
+    reference = torch.nn.Sequential(*[m for m in __import__("copy").deepcopy(model)])
+    engine = zeroengine.initialize(model, {
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x = torch.linspace(-1, 1, 24).view(3, 8)
+    for _ in range(2):
+        out = engine(x)
+        out += 1.0
+        engine.backward(out.square().mean())
+        engine.step()
+        ref = reference(x)
+        ref += 1.0
+        ref.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    state = engine.consolidated_state_dict()
+    engine.close()
+    return max((state[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+
+
+def test_inplace_ops_on_module_outputs():
+    assert max(run_ranks(2, inplace_outputs)) < 1e-6

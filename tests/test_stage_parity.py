@@ -37,10 +37,12 @@ def train_cases(cases, drop_in=False):
                                             c.get("persist", 0)}}
         engine = zeroengine.initialize(model, config, optimizer=opt)
         rank = engine.comm.rank
+        losses = []
         for step in range(STEPS):
             for micro in range(c["accumulation"]):
                 tokens, targets = batch(step, micro, rank)
                 loss = loss_fn(engine(tokens), targets)
+                losses.append(loss.item())
                 if drop_in:  # a plain torch loop on the wrapped model
                     loss.backward()
                 else:
@@ -55,7 +57,7 @@ def train_cases(cases, drop_in=False):
             assert engine.fetcher.gathers > 0 and not engine.fetcher.gathered
             assert all(p.untyped_storage().nbytes() == 0 for fg in engine.flat_groups
                        if fg.partitioned for p in fg.params)
-        out.append((engine.consolidated_state_dict(), engine.get_global_grad_norm()))
+        out.append((engine.consolidated_state_dict(), engine.get_global_grad_norm(), losses))
         engine.close()
     return out
 
@@ -73,10 +75,25 @@ def test_matches_single_process_reference(trained, case):
     index = CASES.index(case)
     expected = reference_train(case["opt"], world, STEPS, case["accumulation"], case["clip"])
     for rank, per_rank in enumerate(results):
-        state, norm = per_rank[index]
+        state, norm, _ = per_rank[index]
         err, where = max_relative_error(state, expected)
         assert err <= 1e-5, f"rank {rank}: max relative error {err:.2e} at {where}"
         assert norm is not None and norm > 0
+
+
+def test_switching_stage_keeps_the_loss_curve(trained):
+    """The same script with only "stage" changed sees the same losses at every micro-step."""
+    world, results = trained
+    for case in CASES:
+        if case["stage"] != 0:
+            continue
+        base = CASES.index(case)
+        for stage in (1, 2, 3):
+            other = CASES.index({**case, "stage": stage})
+            for rank, per_rank in enumerate(results):
+                a, b = per_rank[base][2], per_rank[other][2]
+                assert len(a) == len(b) and all(abs(x - y) <= 1e-5 * abs(x) for x, y in
+                                                zip(a, b)), (case_id(case), stage, rank, a, b)
 
 
 DROP_IN = [dict(stage=s, opt="adamw", accumulation=1, clip=0.0, bucket=40)
@@ -97,7 +114,7 @@ def test_world_size_one_needs_no_launcher(monkeypatch):
     """No launcher variables at all: a single process, no process group."""
     for key in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
         monkeypatch.delenv(key, raising=False)
-    [(state, _)] = train_cases([dict(stage=2, opt="sgd", accumulation=2, clip=0.05, bucket=40)])
+    [(state, _, _)] = train_cases([dict(stage=2, opt="sgd", accumulation=2, clip=0.05, bucket=40)])
     err, where = max_relative_error(state, reference_train("sgd", 1, STEPS, 2, 0.05))
     assert err <= 1e-5, f"{err:.2e} at {where}"
     assert not torch.distributed.is_initialized()

@@ -20,9 +20,10 @@ from .engine import ZeroEngine
 from .optim_factory import check_elementwise, optimizer_from_config
 from .schedulers import scheduler_from_config
 from .stage3 import gathered_parameters
+from .zero_init import zero_init
 
 __version__ = "0.1.0"
-__all__ = ["initialize", "init_distributed", "gathered_parameters", "ZeroEngine",
+__all__ = ["initialize", "init_distributed", "gathered_parameters", "zero_init", "ZeroEngine",
            "ConfigError", "Config", "parse_config", "__version__"]
 
 
@@ -93,6 +94,11 @@ def initialize(model: nn.Module, config, optimizer: torch.optim.Optimizer | None
     comm = Comm()
     first = next(model.parameters())
     resolve_auto(cfg, comm.world_size, str(first.dtype).replace("torch.", ""))
+    if cfg.zero_optimization.stage != 3 and any(hasattr(p, "_ze_slice")
+                                                for p in model.parameters()):
+        warnings.warn("the model was built under zero_init but the config's stage is "
+                      f"{cfg.zero_optimization.stage}: its parameters are made whole again",
+                      stacklevel=2)
     _refuse_unimplemented(cfg)
     device = _device(env.local_rank)
     model.to(device)

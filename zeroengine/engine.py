@@ -19,6 +19,7 @@ from .optim import ShardedOptimizer
 from .partition import FlatParamGroup
 from .precision import LossScaler, Precision
 from .stage3 import ParamFetcher, register_whole, unregister_whole
+from .zero_init import is_sharded, make_whole, materialize
 
 
 class ZeroEngine:
@@ -78,6 +79,16 @@ class ZeroEngine:
         for mi, mod in enumerate(self.module.modules()):
             for p in mod.parameters(recurse=False):
                 owner.setdefault(id(p), mi)
+        limit = zero.stage3_param_persistence_threshold
+        to_partition = {id(p) for group in optimizer.param_groups for p in group["params"]
+                        if self.stage == 3 and p.requires_grad and p.numel() >= limit}
+        for p in self.module.parameters():  # zero_init: whatever stays whole is made whole
+            if is_sharded(p) and id(p) not in to_partition:
+                make_whole(p, self.comm)
+
+        def value_of(p):  # a collective for zero_init parameters, called in the same order
+            return materialize(p, self.comm) if is_sharded(p) else p.detach()
+
         groups: list[FlatParamGroup] = []
         for gi, group in enumerate(optimizer.param_groups):
             trainable = [p for p in group["params"] if p.requires_grad]
@@ -90,15 +101,17 @@ class ZeroEngine:
             for dtype, same in by_dtype:
                 whole = same
                 if self.stage == 3:
-                    limit = zero.stage3_param_persistence_threshold
-                    whole = [p for p in same if p.numel() < limit]
-                    split = sorted((p for p in same if p.numel() >= limit),
+                    whole = [p for p in same if id(p) not in to_partition]
+                    split = sorted((p for p in same if id(p) in to_partition),
                                    key=lambda p: (-owner[id(p)], -order[id(p)]))
                     if split:
                         groups.append(FlatParamGroup(
                             split, gi, self.comm.rank, shard_world, zero.reduce_bucket_size,
                             device, compute_dtype=dtype, partitioned=True,
-                            units=[owner[id(p)] for p in split]))
+                            units=[owner[id(p)] for p in split], value_of=value_of))
+                        for p in split:
+                            if is_sharded(p):
+                                del p._ze_slice  # its values now live in the group's shard
                 if whole:
                     groups.append(FlatParamGroup(whole, gi, self.comm.rank, shard_world,
                                                  zero.reduce_bucket_size, device,
@@ -120,7 +133,9 @@ class ZeroEngine:
         """Rank 0's parameters and buffers to every rank, a few large broadcasts per dtype."""
         if self.comm.world_size == 1:
             return
-        tensors = [t.data for t in list(self.module.parameters()) + list(self.module.buffers())]
+        # zero_init parameters already hold rank 0's values, sharded
+        tensors = [t.data for t in list(self.module.parameters()) + list(self.module.buffers())
+                   if not is_sharded(t)]
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t)

@@ -23,10 +23,12 @@ class FlatParamGroup:
     def __init__(self, params: list[torch.nn.Parameter], group_index: int, rank: int,
                  shard_world: int, bucket_numel: int, device: torch.device, align: int = 16,
                  compute_dtype: torch.dtype | None = None, partitioned: bool = False,
-                 units: list[int] | None = None):
+                 units: list[int] | None = None, value_of=None):
         """``shard_world``: the number of owners (the world size, or 1 at stage 0).
         ``compute_dtype``: the dtype the model computes in (default: the params' own).
-        ``units``: stage 3's fetch unit per parameter; segments follow unit boundaries."""
+        ``units``: stage 3's fetch unit per parameter; segments follow unit boundaries.
+        ``value_of(p)``: a parameter's full value (default ``p.detach()``); called for every
+        parameter in order on every rank, so it may be a collective (zero_init)."""
         self.params = params
         self.group_index = group_index
         self.rank = rank if shard_world > 1 else 0
@@ -35,15 +37,16 @@ class FlatParamGroup:
         self.partitioned = partitioned
         self.layout = FlatLayout([p.shape for p in params], shard_world, bucket_numel, align,
                                  units)
-        pieces = self.layout.shard_pieces(self.rank)
-        self.master = None  # fp32: the parameters (or their shard) are the master
-        if self.dtype != torch.float32:
-            self.master = self._shard_of(params, pieces, torch.float32)
         self.full: FlatBuffer | None = None
         self.shard: torch.Tensor | None = None
         self.segment_full: list[torch.Tensor] = []
+        # fp32 compute: the parameters (or their shard) are the master, no copy
+        dtypes = ([torch.float32] if self.dtype != torch.float32 else []) + \
+            ([self.dtype] if partitioned else [])
+        shards = self._shards_of(params, value_of or (lambda p: p.detach()), dtypes)
+        self.master = shards[0] if self.dtype != torch.float32 else None
         if partitioned:
-            self.shard = self._shard_of(params, pieces, self.dtype)
+            self.shard = shards[-1]
             # One full-size tensor per segment whose *storage* is emptied when released and
             # refilled when gathered; parameters stay views into it, so tensors autograd saved
             # (even views such as weight.t()) are valid again once the segment is re-gathered.
@@ -66,14 +69,22 @@ class FlatParamGroup:
         self.master_segments = [self.chunk(s) for s in segments] if self.master is None else \
             shard_segment_views(self.master, self.layout)
 
-    def _shard_of(self, params, pieces, dtype) -> torch.Tensor:
-        """This rank's chunks of ``params``, gathered into one shard tensor of ``dtype``."""
-        shard = torch.zeros(self.layout.shard_numel, dtype=dtype, device=self.device)
-        for piece in pieces:
-            source = params[piece.param].detach().reshape(-1)
-            shard[piece.shard_offset:piece.shard_offset + piece.numel].copy_(
-                source[piece.param_offset:piece.param_offset + piece.numel])
-        return shard
+    def _shards_of(self, params, value_of, dtypes) -> list[torch.Tensor]:
+        """This rank's chunks of ``params``, as one shard tensor per dtype in ``dtypes``."""
+        shards = [torch.zeros(self.layout.shard_numel, dtype=d, device=self.device)
+                  for d in dtypes]
+        if not shards:
+            return shards
+        by_param: dict[int, list] = {}
+        for piece in self.layout.shard_pieces(self.rank):
+            by_param.setdefault(piece.param, []).append(piece)
+        for index, p in enumerate(params):  # every parameter, in order, on every rank
+            source = value_of(p).reshape(-1)
+            for piece in by_param.get(index, ()):
+                for shard in shards:
+                    shard[piece.shard_offset:piece.shard_offset + piece.numel].copy_(
+                        source[piece.param_offset:piece.param_offset + piece.numel])
+        return shards
 
     @property
     def sharded(self) -> bool:

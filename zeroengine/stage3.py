@@ -4,8 +4,8 @@ Every module that directly holds partitioned parameters (a tied parameter counts
 holding it) gets:
 - a forward pre-hook that gathers (all-gathers) the segments its parameters live in, and a
   forward hook that releases them; references are counted, so nested and repeated calls work;
-- on its forward outputs, an identity autograd function whose backward gathers the same segments
-  again just before the module's own backward runs (the pre-backward "unshard").
+- on its forward outputs, gradient hooks that gather the same segments again just before the
+  module's own backward runs (the pre-backward "unshard").
 In backward a segment is released as soon as every parameter in it has had its gradient reduced
 (GradReducer calls ``on_segment_reduced``), and whatever is still gathered when backward ends
 is released then (parameters that got no gradient).
@@ -43,20 +43,6 @@ class _Gathered:
     @property
     def held(self) -> bool:
         return self.refs > 0 or self.user_refs > 0
-
-
-class _PreBackward(torch.autograd.Function):
-    """Identity on the module's outputs; its backward gathers the module's parameters."""
-
-    @staticmethod
-    def forward(ctx, fetcher, keys, *outputs):
-        ctx.fetcher, ctx.keys = fetcher, keys
-        return tuple(o.detach() for o in outputs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.fetcher.gather_for_backward(ctx.keys)
-        return (None, None) + grads
 
 
 @dataclass
@@ -105,6 +91,7 @@ class ParamFetcher:
         self._phase = "forward"
         self.gathers = 0  # all-gathers issued (for tests and reports)
         self.passes = 0  # backward passes ended
+        self.prefetch_hits = 0
 
     # -- module hooks ------------------------------------------------------------------------
     def _pre_forward(self, module, args):
@@ -114,8 +101,12 @@ class ParamFetcher:
         keys = self.module_keys[module]
         self.release(keys)
         if torch.is_grad_enabled():
-            return _wrap_outputs(output, lambda outs: _PreBackward.apply(self, keys, *outs))
-        return None
+            # The gradient of an output exists just before the module's own backward runs.
+            # A plain tensor hook survives later in-place ops on the output (it then sees the
+            # gradient of the pre-in-place value), which a custom autograd Function would not.
+            for t in _tensor_leaves(output):
+                if t.requires_grad:
+                    t.register_hook(lambda grad, keys=keys: self.gather_for_backward(keys))
 
     def _after_root_forward(self, module, args, output):
         if not torch.is_grad_enabled():  # no backward follows: drop unused prefetches now
@@ -136,7 +127,11 @@ class ParamFetcher:
         return entry
 
     def _ready(self, key: Key) -> _Gathered:
-        entry = self.gathered.get(key) or self._start(key)
+        entry = self.gathered.get(key)
+        if entry is None:
+            entry = self._start(key)
+        elif entry.handle is not None:
+            self.prefetch_hits += 1  # requested while its prefetched all-gather was under way
         if entry.handle is not None:
             entry.handle.wait()
             entry.handle = None
@@ -345,28 +340,12 @@ def unregister_whole(groups: list[FlatParamGroup]) -> None:
             _WHOLE_OF.pop(id(p), None)
 
 
-def _wrap_outputs(output, apply):
-    """Pass the tensors of ``output`` that need gradients through ``apply`` (one call for all
-    of them), keeping the container structure (tensor, tuple, list or dict)."""
+def _tensor_leaves(output) -> list[torch.Tensor]:
+    """The tensors in a module's output (a tensor, or tuples/lists/dicts of them)."""
     if isinstance(output, torch.Tensor):
-        return apply((output,))[0] if output.requires_grad else output
+        return [output]
     if isinstance(output, (tuple, list)):
-        wanted = [i for i, o in enumerate(output) if isinstance(o, torch.Tensor) and
-                  o.requires_grad]
-        if not wanted:
-            return output
-        wrapped = apply(tuple(output[i] for i in wanted))
-        items = list(output)
-        for i, w in zip(wanted, wrapped):
-            items[i] = w
-        return type(output)(items) if isinstance(output, list) else (
-            type(output)(*items) if hasattr(output, "_fields") else tuple(items))
+        return [t for item in output for t in _tensor_leaves(item)]
     if isinstance(output, dict):
-        wanted = [k for k, o in output.items() if isinstance(o, torch.Tensor) and o.requires_grad]
-        if not wanted:
-            return output
-        wrapped = apply(tuple(output[k] for k in wanted))
-        out = dict(output)
-        out.update(zip(wanted, wrapped))
-        return type(output)(out) if type(output) is not dict else out
-    return output
+        return [t for item in output.values() for t in _tensor_leaves(item)]
+    return []
