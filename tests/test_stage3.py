@@ -103,8 +103,10 @@ def train(cases, prefetch=300):
     return out
 
 
-CASES = [(3, False, None, True), (3, True, None, False), (2, True, None, True),
-         (0, False, None, False), (3, True, "bf16", True)]
+# (stage, activation checkpointing, precision, backward inside the gathered_parameters block)
+CASES = [(3, False, None, True), (3, True, None, True), (3, True, None, False),
+         (2, True, None, True), (1, True, None, False), (0, True, None, False),
+         (3, True, "bf16", True)]
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"world{w}")
@@ -133,6 +135,9 @@ def test_awkward_model_matches_reference(trained, case):
         assert leftover == 0, "segments left gathered after the step"
         if case[0] == 3:
             assert gathers > 0
+        if case[:3] == (3, True, None):  # the recomputation in backward gathered again
+            plain = results[rank][CASES.index((3, False, None, True))][2]
+            assert gathers > plain, (gathers, plain)
 
 
 def held_across_step():

@@ -129,7 +129,7 @@ class ZeroEngine:
         if self.fetcher is not None:
             self.fetcher.remove_hooks()
 
-    def _broadcast_module_state(self, max_numel: int = 1 << 25) -> None:
+    def _broadcast_module_state(self, max_numel: int = 1 << 22) -> None:
         """Rank 0's parameters and buffers to every rank, a few large broadcasts per dtype."""
         if self.comm.world_size == 1:
             return
