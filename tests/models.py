@@ -93,6 +93,26 @@ def reference_train(optimizer_name: str, world_size: int, steps: int, accumulati
     return {k: v.detach().clone().float() for k, v in model.state_dict().items()}
 
 
+def run_step(engine, step: int, accumulation: int, drop_in: bool = False) -> list[float]:
+    """One optimizer step of the test loop on this rank's batches, through the engine's verbs
+    or, with ``drop_in``, as a plain torch loop on the wrapped model (loss.backward();
+    optimizer.step(); optimizer.zero_grad()). Returns the micro-steps' losses."""
+    losses = []
+    for micro in range(accumulation):
+        tokens, targets = batch(step, micro, engine.comm.rank)
+        loss = loss_fn(engine(tokens), targets)
+        losses.append(loss.item())
+        if drop_in:
+            (loss / accumulation).backward()
+        else:
+            engine.backward(loss)
+            engine.step()
+    if drop_in:
+        engine.optimizer.step()
+        engine.optimizer.zero_grad()
+    return losses
+
+
 def max_relative_error(a: dict, b: dict) -> tuple[float, str]:
     """Largest per-tensor max|a-b| / max|b| over a state dict, and where it is."""
     worst, where = 0.0, ""

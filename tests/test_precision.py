@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from models import batch, loss_fn, make_model, make_optimizer, param_groups, reference_train
+from models import batch, loss_fn, make_model, make_optimizer, param_groups, \
+    reference_train, run_step
 from zeroengine.local_ranks import run_ranks
 
 STEPS = 4
@@ -42,20 +43,9 @@ def train(cases, drop_in=False):
         model = make_model()
         engine = zeroengine.initialize(model, precision_config(name, stage, clip),
                                        optimizer=make_optimizer(opt, param_groups(model)))
-        rank = engine.comm.rank
         scales = []
         for step in range(STEPS):
-            for micro in range(2):
-                tokens, targets = batch(step, micro, rank)
-                loss = loss_fn(engine(tokens), targets)
-                if drop_in:
-                    (loss / 2).backward()
-                else:
-                    engine.backward(loss)
-                    engine.step()
-            if drop_in:
-                engine.optimizer.step()
-                engine.optimizer.zero_grad()
+            run_step(engine, step, 2, drop_in)
             scales.append(engine.loss_scale)
         dtypes = {str(p.dtype) for p in model.parameters()}
         out.append((engine.consolidated_state_dict(), engine.skipped_steps, scales, dtypes))

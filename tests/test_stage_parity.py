@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from zeroengine.local_ranks import run_ranks
-from models import batch, loss_fn, make_model, make_optimizer, max_relative_error, \
-    param_groups, reference_train
+from models import make_model, make_optimizer, max_relative_error, param_groups, \
+    reference_train, run_step
 
 STEPS = 4
 CASES = [dict(stage=s, opt=o, accumulation=a, clip=c, bucket=b)
@@ -36,21 +36,9 @@ def train_cases(cases, drop_in=False):
                                         "stage3_param_persistence_threshold":
                                             c.get("persist", 0)}}
         engine = zeroengine.initialize(model, config, optimizer=opt)
-        rank = engine.comm.rank
         losses = []
         for step in range(STEPS):
-            for micro in range(c["accumulation"]):
-                tokens, targets = batch(step, micro, rank)
-                loss = loss_fn(engine(tokens), targets)
-                losses.append(loss.item())
-                if drop_in:  # a plain torch loop on the wrapped model
-                    loss.backward()
-                else:
-                    engine.backward(loss)
-                    engine.step()
-            if drop_in:
-                engine.optimizer.step()
-                engine.optimizer.zero_grad()
+            losses += run_step(engine, step, c["accumulation"], drop_in)
         assert engine.global_steps == (0 if drop_in else STEPS)
         if c["stage"] == 3 and engine.comm.world_size > 1:
             # really partitioned, and nothing left gathered between steps
