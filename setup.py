@@ -16,9 +16,13 @@ if os.environ.get("ZEROENGINE_NO_EXT") != "1":
         print("zeroengine: torch is not importable at build time; skipping C++ extensions "
               "(install torch first and build with --no-build-isolation)")
     else:
-        ext_modules.append(CppExtension(
-            "zeroengine._flatten_ext", ["csrc/flatten/flatten.cpp"],
-            extra_compile_args=["-O3", "-fopenmp"], extra_link_args=["-fopenmp"]))
+        for name, source, flags in [
+                ("_flatten_ext", "csrc/flatten/flatten.cpp", []),
+                # sqrt may only be vectorised when it need not set errno
+                ("_cpu_adam_ext", "csrc/adam/cpu_adam.cpp", ["-fno-math-errno"])]:
+            ext_modules.append(CppExtension(
+                f"zeroengine.{name}", [source],
+                extra_compile_args=["-O3", "-fopenmp", *flags], extra_link_args=["-fopenmp"]))
         cmdclass["build_ext"] = BuildExtension.with_options(use_ninja=True)
 
 setup(
