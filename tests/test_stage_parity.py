@@ -32,6 +32,7 @@ def train_cases(cases, drop_in=False):
         config = {"gradient_accumulation_steps": c["accumulation"],
                   "gradient_clipping": c["clip"],
                   "zero_optimization": {"stage": c["stage"], "reduce_bucket_size": c["bucket"],
+                                        "reduce_scatter": c.get("reduce_scatter", True),
                                         # stage 3: partition every parameter, however small
                                         "stage3_param_persistence_threshold":
                                             c.get("persist", 0)}}
@@ -95,6 +96,18 @@ def test_drop_in_torch_loop_matches_reference():
     for case_index, case in enumerate(DROP_IN):
         for rank in range(2):
             err, where = max_relative_error(results[rank][case_index][0], expected)
+            assert err <= 1e-5, f"stage {case['stage']} rank {rank}: {err:.2e} at {where}"
+
+
+def test_reduce_scatter_false_all_reduces_and_matches():
+    """DeepSpeed's "reduce_scatter": false: gradients all-reduced, the owned chunk kept."""
+    cases = [dict(stage=s, opt="adamw", accumulation=2, clip=0.05, bucket=40,
+                  reduce_scatter=False) for s in (1, 2, 3)]
+    results = run_ranks(2, train_cases, cases)
+    expected = reference_train("adamw", 2, STEPS, 2, 0.05)
+    for i, case in enumerate(cases):
+        for rank in range(2):
+            err, where = max_relative_error(results[rank][i][0], expected)
             assert err <= 1e-5, f"stage {case['stage']} rank {rank}: {err:.2e} at {where}"
 
 

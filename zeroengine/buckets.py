@@ -225,14 +225,8 @@ class GradReducer:
             owned = self._owned_chunk(g, b.segment)
             accumulate = self._owned_valid[gi] and self.owned[gi] is not None
             out = torch.empty_like(owned) if accumulate else owned
-            if self.use_reduce_scatter:
-                b.handle = self.comm.reduce_scatter(out, source, "avg", async_op=True)
-            else:  # all-reduce, keep our chunk (DeepSpeed's reduce_scatter=false)
-                handle = self.comm.all_reduce(source, "avg", async_op=True)
-                begin = g.rank * seg.chunk_numel
-                b.handle = Handle(None, lambda: (handle.wait(), out.copy_(
-                    source[begin:begin + seg.chunk_numel]) if out.data_ptr() !=
-                    source[begin:].data_ptr() else None))
+            b.handle = self.comm.reduce_scatter(out, source, "avg", async_op=True,
+                                                via_all_reduce=not self.use_reduce_scatter)
             if accumulate:
                 after = lambda: owned.add_(out)  # noqa: E731
         b.finish = after

@@ -140,15 +140,17 @@ class Comm:
         return Handle(work, lambda: tensor.div_(self.world_size))
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "avg",
-                       async_op: bool = False) -> Handle:
-        """output (numel n) <- op over ranks of input[rank*n:(rank+1)*n]."""
+                       async_op: bool = False, via_all_reduce: bool = False) -> Handle:
+        """output (numel n) <- op over ranks of input[rank*n:(rank+1)*n]. ``via_all_reduce``
+        forces the all-reduce fallback (DeepSpeed's reduce_scatter=false)."""
         if self.world_size == 1:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return Handle()
-        self._count("reduce_scatter", input.numel() * input.element_size(), 1.0)
+        if not via_all_reduce:
+            self._count("reduce_scatter", input.numel() * input.element_size(), 1.0)
         reduce_op = op if (op != "avg" or self._avg_ok) else "sum"
-        if self._reduce_scatter is not None:
+        if self._reduce_scatter is not None and not via_all_reduce:
             try:
                 work = self._reduce_scatter(output, input, op=_OPS[reduce_op], group=self.group,
                                             async_op=async_op)
