@@ -119,3 +119,16 @@ def test_world_size_one_needs_no_launcher(monkeypatch):
     err, where = max_relative_error(state, reference_train("sgd", 1, STEPS, 2, 0.05))
     assert err <= 1e-5, f"{err:.2e} at {where}"
     assert not torch.distributed.is_initialized()
+
+
+def test_stage3_with_small_parameters_kept_whole_matches():
+    """The default stage-3 setup: parameters under stage3_param_persistence_threshold stay
+    whole beside the partitioned ones, so one optimizer group owns two flat buffers."""
+    cases = [dict(stage=3, opt=o, accumulation=a, clip=c, bucket=40, persist=100)
+             for o in ("adamw", "sgd") for a, c in ((1, 0.0), (2, 0.05))]
+    results = run_ranks(2, train_cases, cases)
+    for i, case in enumerate(cases):
+        expected = reference_train(case["opt"], 2, STEPS, case["accumulation"], case["clip"])
+        for rank in range(2):
+            err, where = max_relative_error(results[rank][i][0], expected)
+            assert err <= 1e-5, f"{case_id(case)} rank {rank}: {err:.2e} at {where}"

@@ -51,6 +51,9 @@ class GradReducer:
                  param_order: dict[int, int] | None = None,
                  reduce_dtype: torch.dtype | None = None):
         self.groups = groups
+        # Per-flat-group lists are indexed by position in ``groups``; one optimizer group can own
+        # several flat groups (stage 3 keeps small parameters whole beside partitioned ones).
+        self._index = {id(g): i for i, g in enumerate(groups)}
         self.reduce_dtype = reduce_dtype
         self.comm = comm
         self.stage = stage
@@ -123,7 +126,7 @@ class GradReducer:
                 "checkpointing does this: use torch.utils.checkpoint(..., use_reentrant=False))")
         g = bucket.group
         if self.stage <= 1:
-            view = self.full_grads[g.group_index].param_view(index)
+            view = self.full_grads[self._index[id(g)]].param_view(index)
             if param.grad is not view:
                 # The user replaced or cleared .grad (e.g. model.zero_grad()): autograd made a new
                 # tensor holding the whole accumulated gradient; move it back into the buffer.
@@ -204,7 +207,7 @@ class GradReducer:
     # -- one bucket -----------------------------------------------------------------------------
     def _start_reduce(self, b: Bucket) -> None:
         g = b.group
-        gi = g.group_index
+        gi = self._index[id(g)]
         seg = g.layout.segments[b.segment]
         dtype = self._reduce_dtype(g)
         if self.stage <= 1:
@@ -235,10 +238,11 @@ class GradReducer:
 
     def _owned_chunk(self, g: FlatParamGroup, segment: int) -> torch.Tensor:
         """Where the rank's reduced gradient for one segment lives."""
-        if self.owned[g.group_index] is None:
-            return self.full_grads[g.group_index].chunk_view(segment, g.rank)
+        gi = self._index[id(g)]
+        if self.owned[gi] is None:
+            return self.full_grads[gi].chunk_view(segment, g.rank)
         seg = g.layout.segments[segment]
-        return self.owned[g.group_index][seg.shard_offset:seg.shard_offset + seg.chunk_numel]
+        return self.owned[gi][seg.shard_offset:seg.shard_offset + seg.chunk_numel]
 
     @staticmethod
     def _zero_unwritten(b: Bucket) -> None:
@@ -279,7 +283,7 @@ class GradReducer:
 
     def owned_grad_segments(self, group: FlatParamGroup) -> list[torch.Tensor]:
         """The reduced gradient of every chunk the rank owns, aligned with master_segments."""
-        gi = group.group_index
+        gi = self._index[id(group)]
         if self.stage == 0:
             buf = self.full_grads[gi]
             return [buf.segment_view(s) for s in range(len(group.layout.segments))]
