@@ -24,7 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from zeroengine.examples.gpt import GPT, GPTConfig, num_params  # noqa: E402
 from zeroengine.local_ranks import run_ranks  # noqa: E402
 
-VARIANTS = ["ddp", "ddp-fused", "zero0", "zero1", "zero2", "zero3"]
+VARIANTS = ["ddp", "ddp-fused", "zero0", "zero1", "zero2", "zero3", "zero2-offload",
+            "zero3-offload"]
 
 
 def model_config(small: bool) -> GPTConfig:
@@ -59,10 +60,12 @@ def run_variant(variant: str, steps: int, warmup: int, small: bool, micro: int) 
             return loss
         state_bytes = lambda: 16 * n  # noqa: E731  params + grads + Adam m, v (fp32)
     else:
-        stage = int(variant[-1])
+        stage = int(variant[4])
+        offload = {"device": "cpu" if variant.endswith("-offload") else "none"}
         engine = zeroengine.initialize(model, {
             "optimizer": {"type": "AdamW", "params": {**lr, "betas": list(lr["betas"])}},
-            "zero_optimization": {"stage": stage}})
+            "zero_optimization": {"stage": stage, "offload_optimizer": offload,
+                                  **({"offload_param": offload} if stage == 3 else {})}})
 
         def train_step(tokens, targets):
             loss = _loss(engine, tokens, targets)

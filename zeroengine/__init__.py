@@ -26,14 +26,6 @@ __all__ = ["initialize", "init_distributed", "gathered_parameters", "zero_init",
            "ConfigError", "Config", "parse_config", "__version__"]
 
 
-def _refuse_unimplemented(cfg: Config) -> None:
-    zero = cfg.zero_optimization
-    for key in ("offload_optimizer", "offload_param"):
-        if getattr(zero, key).device != "none":
-            raise ConfigError(f"zero_optimization.{key}.device 'cpu' is not implemented yet; "
-                              "set it to 'none'")
-
-
 def _device(local_rank: int) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count())
@@ -98,7 +90,6 @@ def initialize(model: nn.Module, config, optimizer: torch.optim.Optimizer | None
         warnings.warn("the model was built under zero_init but the config's stage is "
                       f"{cfg.zero_optimization.stage}: its parameters are made whole again",
                       stacklevel=2)
-    _refuse_unimplemented(cfg)
     device = _device(env.local_rank)
     model.to(device)
     optimizer = _prepare_optimizer(model, cfg, optimizer)

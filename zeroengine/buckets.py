@@ -106,6 +106,10 @@ class GradReducer:
         self._unreduced = False  # stages 0-1: local gradients not yet reduced
         # Stage 3 listens: a segment whose gradients are all taken is no longer needed whole.
         self.on_segment_done = None
+        # Offload listens: on_grad_reduced(group, segment, final) after a bucket's reduced
+        # gradient landed in its owned chunk; final: no backward changes it before the step.
+        self.on_grad_reduced = None
+        self._final = False
         self.on_backward_end = None
         # fp16: a backward that did not go through engine.backward has no loss scale applied.
         self.require_scaled_backward = False
@@ -153,8 +157,9 @@ class GradReducer:
             raise RuntimeError("fp16 training needs engine.backward(loss), which applies the "
                                "loss scale; a plain loss.backward() was called")
         self._in_backward = True
-        self._reduce_now = self.stage >= 2 or \
-            (self.backwards_since_step + 1) % self.accumulation_steps == 0
+        boundary = (self.backwards_since_step + 1) % self.accumulation_steps == 0
+        self._reduce_now = self.stage >= 2 or boundary
+        self._final = boundary
         self._next_launch = 0
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
@@ -225,7 +230,7 @@ class GradReducer:
             if source is not grads:
                 after = lambda: grads.copy_(source)  # noqa: E731
         else:
-            owned = self._owned_chunk(g, b.segment)
+            owned = self.owned_chunk(g, b.segment)
             accumulate = self._owned_valid[gi] and self.owned[gi] is not None
             out = torch.empty_like(owned) if accumulate else owned
             b.handle = self.comm.reduce_scatter(out, source, "avg", async_op=True,
@@ -236,7 +241,7 @@ class GradReducer:
         b.launched = True
         self._in_flight.append(b)
 
-    def _owned_chunk(self, g: FlatParamGroup, segment: int) -> torch.Tensor:
+    def owned_chunk(self, g: FlatParamGroup, segment: int) -> torch.Tensor:
         """Where the rank's reduced gradient for one segment lives."""
         gi = self._index[id(g)]
         if self.owned[gi] is None:
@@ -263,6 +268,8 @@ class GradReducer:
         b.handle.wait()
         if b.finish is not None:
             b.finish()
+        if self.on_grad_reduced is not None and self.stage >= 1:
+            self.on_grad_reduced(b.group, b.segment, self._final)
         b.handle, b.finish, b.launched = None, None, False
         b.staging = None  # stage 2: the bucket's memory goes back
         self._in_flight.remove(b)
@@ -275,6 +282,7 @@ class GradReducer:
             raise RuntimeError("optimizer step called during backward")
         if self._unreduced:
             self._next_launch = 0
+            self._final = True
             self._reduce_all()
         for gi, owned in enumerate(self.owned):
             if owned is not None and not self._owned_valid[gi]:
@@ -287,7 +295,7 @@ class GradReducer:
         if self.stage == 0:
             buf = self.full_grads[gi]
             return [buf.segment_view(s) for s in range(len(group.layout.segments))]
-        return [self._owned_chunk(group, s) for s in range(len(group.layout.segments))]
+        return [self.owned_chunk(group, s) for s in range(len(group.layout.segments))]
 
     def zero_grad(self) -> None:
         for buf in self.full_grads:

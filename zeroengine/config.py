@@ -86,9 +86,13 @@ class ZeroConfig:
     sub_group_size: int = option(1_000_000_000, "Elements the optimizer steps at a time "
                                  "(bounds temporary memory of the step).", lo=1)
     offload_optimizer: OffloadConfig = option(OffloadConfig(), "Keep fp32 master weights and "
-                                              "optimizer state in host memory (stages 1-3).")
+                                              "optimizer state in host memory and step on the "
+                                              "CPU (stages 1-3); torch Adam/AdamW run as "
+                                              "zeroengine.ops.CPUAdam, other optimizers as "
+                                              "their own class.")
     offload_param: OffloadConfig = option(OffloadConfig(), "Keep parameter shards in host "
-                                          "memory (stage 3).")
+                                          "memory (stage 3); each is copied to the device "
+                                          "when gathered.")
     stage3_prefetch_bucket_size: int = option(50_000_000, "Stage 3: most elements fetched ahead "
                                               "of use.", lo=0, auto=True)
     stage3_param_persistence_threshold: int = option(100_000, "Stage 3: parameters with fewer "
@@ -314,6 +318,15 @@ def parse_config(source: "str | os.PathLike | dict | Config") -> Config:
     cfg = _parse_section(Config, raw, "")
     if cfg.fp16.enabled is True and cfg.bf16.enabled is True:
         raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one")
+    zero = cfg.zero_optimization
+    if zero.offload_optimizer.device != "none" and zero.stage == 0:
+        raise ConfigError("zero_optimization.offload_optimizer needs stage 1, 2 or 3 (it offloads "
+                          "the rank's shard of the optimizer state); set zero_optimization.stage "
+                          "or offload_optimizer.device 'none'")
+    if zero.offload_param.device != "none" and zero.stage != 3:
+        raise ConfigError(f"zero_optimization.offload_param needs stage 3 (only stage 3 shards "
+                          f"parameters), but stage is {zero.stage}; set stage 3 or "
+                          "offload_param.device 'none'")
     return cfg
 
 

@@ -15,6 +15,7 @@ from .comm import Comm
 from .config import Config
 from .flat import bucket_params
 from .ops import flatten_into, unflatten_from
+from .offload import OptimizerOffload
 from .optim import ShardedOptimizer
 from .partition import FlatParamGroup
 from .precision import LossScaler, Precision
@@ -35,6 +36,11 @@ class ZeroEngine:
         self.micro_steps = 0
         zero = config.zero_optimization
         self.precision = Precision.from_config(config)
+        self.offload_optimizer = zero.offload_optimizer.device == "cpu"
+        self.offload_param = zero.offload_param.device == "cpu"
+        # page-locked host memory only helps (and only exists) with a CUDA device
+        self._pin = device.type == "cuda" and (zero.offload_optimizer.pin_memory
+                                               or zero.offload_param.pin_memory)
 
         self._broadcast_module_state()  # every rank starts from rank 0's values, as in DDP
         order = {id(p): i for i, p in enumerate(module.parameters())}
@@ -57,11 +63,14 @@ class ZeroEngine:
             self.reducer.on_backward_end = self.fetcher.end_of_pass
         scaler = LossScaler.from_config(config.fp16) if config.fp16.enabled else None
         self.reducer.require_scaled_backward = scaler is not None
+        self.offload = OptimizerOffload(self.flat_groups, self.reducer, device, self._pin) \
+            if self.offload_optimizer else None
         self.optimizer = ShardedOptimizer(optimizer, self.flat_groups, self.reducer, comm,
                                           clip=config.gradient_clipping,
                                           allgather_bucket_numel=zero.allgather_bucket_size,
                                           loss_scaler=scaler,
-                                          sub_group_numel=zero.sub_group_size)
+                                          sub_group_numel=zero.sub_group_size,
+                                          offload=self.offload)
         if self.fetcher is not None:
             self.optimizer.after_step = self.fetcher.refresh_gathered
         self.lr_scheduler = lr_scheduler
@@ -108,14 +117,18 @@ class ZeroEngine:
                         groups.append(FlatParamGroup(
                             split, gi, self.comm.rank, shard_world, zero.reduce_bucket_size,
                             device, compute_dtype=dtype, partitioned=True,
-                            units=[owner[id(p)] for p in split], value_of=value_of))
+                            units=[owner[id(p)] for p in split], value_of=value_of,
+                            offload_master=self.offload_optimizer,
+                            offload_shard=self.offload_param, pin=self._pin))
                         for p in split:
                             if is_sharded(p):
                                 del p._ze_slice  # its values now live in the group's shard
                 if whole:
                     groups.append(FlatParamGroup(whole, gi, self.comm.rank, shard_world,
                                                  zero.reduce_bucket_size, device,
-                                                 compute_dtype=dtype))
+                                                 compute_dtype=dtype,
+                                                 offload_master=self.offload_optimizer,
+                                                 pin=self._pin))
         return groups
 
     def _segment_done(self, group: FlatParamGroup, segment: int) -> None:
@@ -232,7 +245,10 @@ class ZeroEngine:
         return self.optimizer.last_grad_norm
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes this rank holds now for model states, by category."""
+        """Bytes this rank holds now for model states, by category: ``params``, ``grads`` and
+        ``optimizer_states`` on the training device, ``host_*`` the same offloaded to host
+        memory (on a CPU-only machine both are RAM; the split says where the engine put them),
+        ``total`` all of them."""
         managed = {id(p) for fg in self.flat_groups for p in fg.params}
         params = sum(fg.nbytes() for fg in self.flat_groups)
         if self.fetcher is not None:
@@ -240,9 +256,18 @@ class ZeroEngine:
         params += sum(p.numel() * p.element_size() for p in self.module.parameters()
                       if id(p) not in managed)
         grads = self.reducer.nbytes()
-        states = self.optimizer.state_nbytes() + sum(fg.master_nbytes() for fg in self.flat_groups)
-        return {"params": params, "grads": grads, "optimizer_states": states,
-                "total": params + grads + states}
+        states = sum(fg.master_nbytes() for fg in self.flat_groups)
+        host_states = sum(fg.master_nbytes(host=True) for fg in self.flat_groups)
+        if self.offload is not None:
+            host_states += self.optimizer.state_nbytes()
+        else:
+            states += self.optimizer.state_nbytes()
+        report = {"params": params, "grads": grads, "optimizer_states": states,
+                  "host_params": sum(fg.nbytes(host=True) for fg in self.flat_groups),
+                  "host_grads": self.offload.nbytes() if self.offload is not None else 0,
+                  "host_optimizer_states": host_states}
+        report["total"] = sum(report.values())
+        return report
 
     def comm_report(self, reset: bool = True) -> dict[str, dict[str, int]]:
         """Bytes this rank sent/received per collective kind since the last call."""

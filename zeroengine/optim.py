@@ -8,7 +8,8 @@ over chunks of flat buffers equals the step over the original tensors.
 
 A step: make gradients final (``GradReducer.flush``), compute the global norm over all shards,
 clip, copy hyperparameters outer -> inner, step the chunks, then all-gather the updated chunks
-so every rank holds the full parameters again (stages 1-2).
+so every rank holds the full parameters again (stages 1-2). With offload (offload.py) the chunks
+are host copies, the inner optimizer runs on the CPU, and updated values are copied back.
 """
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ import torch
 
 from .buckets import GradReducer
 from .comm import Comm, Handle
-from .optim_factory import IMPLEMENTATION_KEYS, build_inner
+from .offload import OptimizerOffload, device_wait
+from .ops import CPUAdam
+from .optim_factory import IMPLEMENTATION_KEYS, build_host_inner, build_inner
 from .partition import FlatParamGroup
 from .precision import LossScaler
 
@@ -30,7 +33,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def __init__(self, base: torch.optim.Optimizer, flat_groups: list[FlatParamGroup],
                  reducer: GradReducer, comm: Comm, clip: float = 0.0,
                  allgather_bucket_numel: int = 50_000_000,
-                 loss_scaler: LossScaler | None = None, sub_group_numel: int = 1_000_000_000):
+                 loss_scaler: LossScaler | None = None, sub_group_numel: int = 1_000_000_000,
+                 offload: OptimizerOffload | None = None):
         # Deliberately not calling Optimizer.__init__: it would copy the groups, and sharing the
         # user's dicts is what keeps their schedulers working.
         self.defaults = base.defaults
@@ -62,7 +66,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
                      if k not in IMPLEMENTATION_KEYS}
             self._inner_of_outer[fg.group_index].append(len(inner_groups))
             inner_groups.append({"params": list(fg.master_segments), **hyper})
-        self.inner = build_inner(base, inner_groups)
+        self.offload = offload
+        self.inner = build_inner(base, inner_groups) if offload is None else \
+            build_host_inner(base, inner_groups)
+        # CPUAdam writes the bf16/fp16 copy of what it updates in the same pass
+        self._copy_out = offload is not None and isinstance(self.inner, CPUAdam)
 
     def __repr__(self) -> str:
         return f"ShardedOptimizer({self.base_class.__name__}, rank {self.comm.rank} of " \
@@ -113,6 +121,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._opt_called = True  # what torch's lr schedulers check (see _wrapped_by_lr_sched)
         self.reducer.flush()
         self.steps += 1
+        try:
+            self._step()
+        finally:
+            if self.offload is not None:
+                self.offload.finish_step()
+        return None
+
+    def _step(self) -> None:
         grads = [self.reducer.owned_grad_segments(fg) for fg in self.flat_groups]
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         # One all-reduce gives the norm and the overflow check: any inf/NaN on any rank makes
@@ -129,7 +145,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                             self.skipped_steps + overflow)
             if overflow:
                 self.skipped_steps += 1
-                return None
+                return
         coef = 1.0 / scale
         if self.clip > 0:
             # The coefficient torch.nn.utils.clip_grad_norm_ applies, on unscaled gradients.
@@ -137,25 +153,41 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._sync_hyperparameters()
         in_flight: list[tuple[Handle, int]] = []
         for batch in self.sub_groups:
+            copy_out = {}  # master chunk -> tensor receiving its low-precision values
             for fi, s in batch:
                 master, grad = self.flat_groups[fi].master_segments[s], grads[fi][s]
-                if grad.dtype != torch.float32:
+                if self.offload is not None:
+                    grad = self.offload.grad_segment(fi, s, grad)
+                    target = self.offload.copy_out_target(fi, s) if self._copy_out else None
+                    if target is not None:
+                        copy_out[(fi, s)] = target
+                elif grad.dtype != torch.float32:
                     grad = grad.float()  # a temporary fp32 copy, one sub-group at a time
                 if coef != 1.0:
                     grad.mul_(coef)
                 master.grad = grad
-            self.inner.step()
+            if self._copy_out:
+                self.inner.step(low_precision_copies={
+                    self.flat_groups[fi].master_segments[s]: t for (fi, s), t in copy_out.items()})
+            else:
+                self.inner.step()
             for fi, s in batch:
                 fg = self.flat_groups[fi]
                 fg.master_segments[s].grad = None
-                fg.publish_master([s])
+                event = None
+                if self.offload is not None:
+                    event = self.offload.publish(fi, s, written=(fi, s) in copy_out)
+                else:
+                    fg.publish_master([s])
                 if fg.sharded and not fg.partitioned:  # stage 3 gathers on use instead
+                    device_wait(event)
                     in_flight = self._all_gather_segment(fg, s, in_flight)
         for handle, _ in in_flight:
             handle.wait()
         if self.after_step is not None:
+            if self.offload is not None:
+                self.offload.finish_step()  # refreshed segments read the updated chunks
             self.after_step()
-        return None
 
     # Tells torch's LRScheduler that step() already records _opt_called, so it does not warn.
     step._wrapped_by_lr_sched = True
@@ -223,6 +255,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.skipped_steps = state_dict.get("skipped_steps", 0)
 
     def state_nbytes(self) -> int:
+        """Bytes of the inner optimizer's state tensors (in host memory when offloaded)."""
         total = 0
         for per_param in self.inner.state.values():
             for value in per_param.values():

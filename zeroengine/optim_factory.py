@@ -8,6 +8,7 @@ import inspect
 import torch
 
 from .config import AUTO, ConfigError, OptimizerConfig
+from .ops import CPUAdam
 
 # Updates that look at whole tensors (norms, factored second moments, line searches, sparse rows).
 NON_ELEMENTWISE = {
@@ -107,3 +108,29 @@ def build_inner(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.o
             for group, p in zip(groups, params):
                 group["params"] = p  # the failed constructor may have rewrapped them
     return cls(groups, **defaults)
+
+
+def cpu_adam_mode(optimizer: torch.optim.Optimizer) -> bool | None:
+    """Whether ``optimizer`` is an Adam/AdamW that CPUAdam computes exactly: its adamw_mode,
+    or None when an option needs torch's own implementation (amsgrad, maximize, tensor lr,
+    differentiable, capturable) or the class is not torch's Adam/AdamW."""
+    cls = type(optimizer)
+    if cls not in (torch.optim.Adam, torch.optim.AdamW):
+        return None
+    for group in optimizer.param_groups:
+        if any(group.get(k) for k in ("amsgrad", "maximize", "differentiable", "capturable")) \
+                or torch.is_tensor(group["lr"]):
+            return None
+    decoupled = optimizer.defaults.get("decoupled_weight_decay")
+    return cls is torch.optim.AdamW if decoupled is None else bool(decoupled)
+
+
+def build_host_inner(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
+    """The optimizer of an offloaded step, over host fp32 tensors: CPUAdam (one pass, and the
+    bf16/fp16 copy-out in the same pass) for torch's Adam/AdamW, else the user's class."""
+    adamw = cpu_adam_mode(optimizer)
+    if adamw is None:
+        return build_inner(optimizer, groups)
+    d = optimizer.defaults
+    return CPUAdam(groups, lr=d["lr"], betas=d["betas"], eps=d["eps"],
+                   weight_decay=d["weight_decay"], adamw_mode=adamw)

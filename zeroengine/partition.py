@@ -10,6 +10,11 @@ Two modes:
 The rank's *master* chunks are what its optimizer updates. In fp32 they are the parameter memory
 itself (no copy); for a lower-precision compute dtype they are a separate fp32 shard, taken from
 the parameters before they were cast so the master keeps every bit of the initial values.
+
+Offload (see offload.py) only moves tensors: ``offload_master`` puts the fp32 master in host
+memory (then always a separate copy, even in fp32, so the CPU-only machine runs the same code
+path as a GPU one), ``offload_shard`` puts stage 3's partitioned shard there; ``pin`` makes
+those host tensors page-locked.
 """
 from __future__ import annotations
 
@@ -23,12 +28,15 @@ class FlatParamGroup:
     def __init__(self, params: list[torch.nn.Parameter], group_index: int, rank: int,
                  shard_world: int, bucket_numel: int, device: torch.device, align: int = 16,
                  compute_dtype: torch.dtype | None = None, partitioned: bool = False,
-                 units: list[int] | None = None, value_of=None):
+                 units: list[int] | None = None, value_of=None,
+                 offload_master: bool = False, offload_shard: bool = False, pin: bool = False):
         """``shard_world``: the number of owners (the world size, or 1 at stage 0).
         ``compute_dtype``: the dtype the model computes in (default: the params' own).
         ``units``: stage 3's fetch unit per parameter; segments follow unit boundaries.
         ``value_of(p)``: a parameter's full value (default ``p.detach()``); called for every
-        parameter in order on every rank, so it may be a collective (zero_init)."""
+        parameter in order on every rank, so it may be a collective (zero_init).
+        ``offload_master`` / ``offload_shard``: keep the fp32 master / the partitioned shard in
+        host memory."""
         self.params = params
         self.group_index = group_index
         self.rank = rank if shard_world > 1 else 0
@@ -40,11 +48,17 @@ class FlatParamGroup:
         self.full: FlatBuffer | None = None
         self.shard: torch.Tensor | None = None
         self.segment_full: list[torch.Tensor] = []
-        # fp32 compute: the parameters (or their shard) are the master, no copy
-        dtypes = ([torch.float32] if self.dtype != torch.float32 else []) + \
-            ([self.dtype] if partitioned else [])
-        shards = self._shards_of(params, value_of or (lambda p: p.detach()), dtypes)
-        self.master = shards[0] if self.dtype != torch.float32 else None
+        self.offload_master = offload_master
+        self.offload_shard = offload_shard and partitioned
+        host = torch.device("cpu")
+        self.master_device = host if offload_master else device
+        self.shard_device = host if self.offload_shard else device
+        # fp32 compute on the device: the parameters (or their shard) are the master, no copy
+        separate_master = self.dtype != torch.float32 or offload_master
+        wanted = ([(torch.float32, self.master_device)] if separate_master else []) + \
+            ([(self.dtype, self.shard_device)] if partitioned else [])
+        shards = self._shards_of(params, value_of or (lambda p: p.detach()), wanted, pin)
+        self.master = shards[0] if separate_master else None
         if partitioned:
             self.shard = shards[-1]
             # One full-size tensor per segment whose *storage* is emptied when released and
@@ -69,10 +83,11 @@ class FlatParamGroup:
         self.master_segments = [self.chunk(s) for s in segments] if self.master is None else \
             shard_segment_views(self.master, self.layout)
 
-    def _shards_of(self, params, value_of, dtypes) -> list[torch.Tensor]:
-        """This rank's chunks of ``params``, as one shard tensor per dtype in ``dtypes``."""
-        shards = [torch.zeros(self.layout.shard_numel, dtype=d, device=self.device)
-                  for d in dtypes]
+    def _shards_of(self, params, value_of, wanted, pin: bool) -> list[torch.Tensor]:
+        """This rank's chunks of ``params``, one shard tensor per (dtype, device) in ``wanted``."""
+        shards = [torch.zeros(self.layout.shard_numel, dtype=d, device=dev,
+                              pin_memory=pin and dev.type == "cpu")
+                  for d, dev in wanted]
         if not shards:
             return shards
         by_param: dict[int, list] = {}
@@ -97,6 +112,11 @@ class FlatParamGroup:
             return self.shard[seg.shard_offset:seg.shard_offset + seg.chunk_numel]
         return self.full.chunk_view(s, self.rank)
 
+    def chunk_on_device(self, s: int) -> torch.Tensor:
+        """``chunk(s)`` on the compute device, copied there if the shard is offloaded."""
+        chunk = self.chunk(s)
+        return chunk.to(self.device, non_blocking=True)
+
     def publish_master(self, segments=None) -> None:
         """Copy updated master values into the compute-dtype chunks (mixed precision)."""
         if self.master is not None:
@@ -114,10 +134,13 @@ class FlatParamGroup:
                 out.copy_(self.master_segments[s])
         return full
 
-    def nbytes(self) -> int:
-        """Parameter bytes this group holds permanently (gathered segments not included)."""
+    def nbytes(self, host: bool = False) -> int:
+        """Parameter bytes this group holds permanently (gathered segments not included) on
+        the compute device, or with ``host=True`` offloaded to host memory."""
         data = self.shard if self.partitioned else self.full.data
-        return data.numel() * data.element_size()
+        offloaded = self.offload_shard
+        return data.numel() * data.element_size() if offloaded == host else 0
 
-    def master_nbytes(self) -> int:
-        return 0 if self.master is None else self.master.numel() * 4
+    def master_nbytes(self, host: bool = False) -> int:
+        offloaded = self.offload_master
+        return 0 if self.master is None or offloaded != host else self.master.numel() * 4

@@ -121,7 +121,7 @@ class ParamFetcher:
         g = self.groups[gi]
         full = g.segment_full[s]
         full.untyped_storage().resize_(full.numel() * full.element_size())
-        entry = _Gathered(self.comm.all_gather(full, g.chunk(s), async_op=True))
+        entry = _Gathered(self.comm.all_gather(full, g.chunk_on_device(s), async_op=True))
         self.gathered[key] = entry
         self.gathers += 1
         return entry
@@ -221,7 +221,7 @@ class ParamFetcher:
                 entry.handle.wait()
             g = self.groups[key[0]]
             # synchronous: user code holding the segment reads the parameters directly
-            self.comm.all_gather(g.segment_full[key[1]], g.chunk(key[1]))
+            self.comm.all_gather(g.segment_full[key[1]], g.chunk_on_device(key[1]))
             entry.handle = None
             self.gathers += 1
 

@@ -1,0 +1,164 @@
+"""ZeRO-Offload: the rank's fp32 master weights, reduced gradients and optimizer state live in
+host memory and the optimizer runs on the CPU.
+
+One step, sub-group by sub-group (``zero_optimization.sub_group_size`` elements each):
+  1. gradients: each bucket's reduced chunk is copied into its host fp32 buffer as soon as its
+     collective finishes in the last backward before the step (on CUDA: a non-blocking copy on
+     a side stream, overlapping the rest of backward); the step waits only for the sub-group it
+     is about to update, and copies now whatever no backward copied (an early step()).
+  2. the CPU optimizer (CPUAdam for Adam/AdamW, else the user's class) updates the host master
+     and, with CPUAdam, writes the bf16/fp16 parameter copy in the same pass.
+  3. the updated values go back to where the model computes with them (on CUDA a non-blocking
+     host->device copy on the side stream) while the next sub-group steps; a segment's
+     all-gather waits for its copy's event on the device, not on the host.
+On a CPU-only machine the host *is* the device: the same path runs with plain copies between
+separate host buffers, no pinning and no streams - which is how it is tested here.
+"""
+from __future__ import annotations
+
+import torch
+
+from .buckets import GradReducer
+from .flat import shard_segment_views
+from .partition import FlatParamGroup
+
+HOST = torch.device("cpu")
+
+
+def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    return torch.empty(numel, dtype=dtype, device=HOST, pin_memory=pin)
+
+
+class CopyStream:
+    """Host<->device copies: on CUDA asynchronous on a side stream, returning an event;
+    elsewhere plain synchronous copies, returning None."""
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor):
+        if self.stream is None:
+            dst.copy_(src)
+            return None
+        # The source may have been written by work queued on the compute stream.
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        for t in (dst, src):
+            if t.is_cuda:  # the caching allocator must not reuse it before the copy ran
+                t.record_stream(self.stream)
+        return event
+
+
+def host_wait(event) -> None:
+    """Block the CPU until a copy is done (before the CPU reads what it wrote)."""
+    if event is not None:
+        event.synchronize()
+
+
+def device_wait(event) -> None:
+    """Order later device work after a copy, without blocking the CPU."""
+    if event is not None:
+        torch.cuda.current_stream().wait_event(event)
+
+
+class OptimizerOffload:
+    """Host-side buffers and copies of an offloaded optimizer step, per flat group."""
+
+    def __init__(self, groups: list[FlatParamGroup], reducer: GradReducer,
+                 device: torch.device, pin: bool):
+        self.groups = groups
+        self.reducer = reducer
+        self.copier = CopyStream(device)
+        self._index = {id(g): i for i, g in enumerate(groups)}
+        self.grads: list[list[torch.Tensor] | None] = []
+        self.low: list[list[torch.Tensor] | None] = []
+        for g in groups:
+            self.grads.append(self._host_views(g, torch.float32, pin)
+                              if self._needs_grad_copy(g) else None)
+            # The bf16/fp16 values the optimizer writes go straight into the chunk when it is
+            # in host memory; otherwise into a host staging buffer sent to the device after.
+            on_host = g.shard_device.type == "cpu" if g.partitioned else g.device.type == "cpu"
+            self.low.append(None if g.dtype == torch.float32 or on_host
+                            else self._host_views(g, g.dtype, pin))
+        self._grad_copies: dict[tuple[int, int], object] = {}  # copied for this step
+        self._param_copies: list = []
+        reducer.on_grad_reduced = self._on_grad_reduced
+
+    def _needs_grad_copy(self, g: FlatParamGroup) -> bool:
+        """False where the reduced gradient already is fp32 in host memory: used in place."""
+        reduce_dtype = self.reducer.reduce_dtype or g.dtype
+        return g.device.type != "cpu" or reduce_dtype != torch.float32
+
+    @staticmethod
+    def _host_views(g: FlatParamGroup, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]:
+        return shard_segment_views(host_empty(g.layout.shard_numel, dtype, pin), g.layout)
+
+    def _on_grad_reduced(self, group: FlatParamGroup, segment: int, final: bool) -> None:
+        fi = self._index[id(group)]
+        if self.grads[fi] is None:
+            return
+        key = (fi, segment)
+        if final:  # this bucket's gradient will not change before the step
+            self._grad_copies[key] = self.copier.copy(
+                self.grads[fi][segment], self.reducer.owned_chunk(group, segment))
+        else:
+            self._grad_copies.pop(key, None)
+
+    # -- used by ShardedOptimizer.step ----------------------------------------------------------
+    def grad_segment(self, fi: int, s: int, device_grad: torch.Tensor) -> torch.Tensor:
+        """The fp32 host gradient of segment s of flat group fi, ready for the CPU to read."""
+        if self.grads[fi] is None:
+            return device_grad
+        host = self.grads[fi][s]
+        key = (fi, s)
+        if key in self._grad_copies:
+            host_wait(self._grad_copies[key])
+        else:
+            host.copy_(device_grad)
+        return host
+
+    def copy_out_target(self, fi: int, s: int) -> torch.Tensor | None:
+        """Where the optimizer may write segment s's updated low-precision values in its own
+        pass; None in fp32 (the master itself is what gets copied)."""
+        g = self.groups[fi]
+        if g.dtype == torch.float32:
+            return None
+        return g.chunk(s) if self.low[fi] is None else self.low[fi][s]
+
+    def publish(self, fi: int, s: int, written: bool):
+        """Send segment s's updated values to the chunk the model computes with. ``written``:
+        the optimizer already wrote them into copy_out_target. Returns the copy's event."""
+        g = self.groups[fi]
+        chunk, master = g.chunk(s), g.master_segments[s]
+        if g.dtype == torch.float32:
+            source = master
+        else:
+            source = self.copy_out_target(fi, s)
+            if not written:
+                source.copy_(master)
+        if source is chunk:
+            return None
+        event = self.copier.copy(chunk, source)
+        self._param_copies.append(event)
+        return event
+
+    def finish_step(self) -> None:
+        """After the step (or a skipped one): later device work waits for the parameter
+        copies, and no gradient copy is left reading buffers the next backward writes."""
+        for event in self._grad_copies.values():
+            host_wait(event)
+        for event in self._param_copies:
+            device_wait(event)
+        self._grad_copies.clear()
+        self._param_copies.clear()
+
+    def nbytes(self) -> int:
+        """Host bytes of the gradient and staging buffers."""
+        total = 0
+        for views in self.grads + self.low:
+            if views:
+                total += sum(v.numel() * v.element_size() for v in views)
+        return total
