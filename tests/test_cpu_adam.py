@@ -64,3 +64,24 @@ def test_state_and_scheduler_interplay():
 def test_bad_hyperparameters():
     with pytest.raises(ValueError, match="betas"):
         CPUAdam([torch.nn.Parameter(torch.zeros(1))], betas=(0.9, 1.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_copy_rounds_special_values_like_torch(dtype):
+    """The kernel's own branch-free converters against torch's .to(dtype): ties, overflow,
+    subnormals, NaN (lr 0 and zero gradients leave a finite parameter as it is)."""
+    info = torch.finfo(dtype)
+    tiny = info.tiny
+    values = [0.0, -0.0, 1.0, -1.0, 1 + 2 ** -8, 1 + 3 * 2 ** -8, 1 + 2 ** -11, 1 + 3 * 2 ** -11,
+              float(info.max), float(info.max) * 1.001, 65520.0, 1e30, -1e30, tiny, tiny / 3,
+              tiny / 1024, 2 ** -24, 2 ** -25, 1.5 * 2 ** -25, 3e-39, float("nan")]
+    g = torch.Generator().manual_seed(0)
+    values += (torch.randn(4096, generator=g) * torch.logspace(-30, 30, 4096)).tolist()
+    p = torch.nn.Parameter(torch.tensor(values, dtype=torch.float32))
+    p.grad = torch.zeros_like(p)
+    low = torch.empty(len(values), dtype=dtype)
+    CPUAdam([p], lr=0.0, weight_decay=0.0).step(low_precision_copies={p: low})
+    expected = torch.tensor(values, dtype=torch.float32).to(dtype)
+    nan = expected.isnan()
+    assert torch.equal(low.isnan(), nan)
+    assert torch.equal(low[~nan].view(torch.int16), expected[~nan].view(torch.int16))

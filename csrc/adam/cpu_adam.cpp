@@ -3,12 +3,14 @@
 //
 // Adam is memory-bound, so the only things that matter are touching each byte once and keeping
 // every core's vector units fed: the loop body is plain scalar code that GCC vectorises, compiled
-// three times by target_clones (AVX-512, AVX2+FMA, baseline x86-64) and picked at load time by
+// three times by target_clones (x86-64-v4 = AVX-512, x86-64-v3 = AVX2+FMA, baseline x86-64;
+// note "avx2,fma" in one string would make two clones, AVX2 without FMA) and picked at load time by
 // the CPU's features; at::parallel_for splits the elements across torch's intra-op threads.
 // Built with -fno-math-errno: otherwise sqrt must keep errno semantics and GCC will not
 // vectorise the loop at all.
 // The arithmetic follows torch.optim.AdamW's single-tensor path operation by operation (lerp for
-// m, mul+addcmul for v, sqrt(v)/sqrt(bc2)+eps, addcdiv), so results agree to rounding.
+// m, mul+addcmul for v, sqrt(v)/sqrt(bc2)+eps, addcdiv) except one division by a constant
+// taken as a multiply (see below), so results agree with torch to rounding (~1e-7 relative).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -19,44 +21,107 @@
 
 namespace {
 
+// 1 - beta1 and 1 - beta2 are taken in double on the host, as torch's Python code does before
+// handing them to its kernels: in float, 1 - 0.9999f is off by 1.7e-4 relative.
 struct Hyper {
-  float lr, beta1, beta2, eps, weight_decay, step_size, bc2_sqrt;
+  float lr, beta1, beta2, eps, weight_decay, step_size, inv_bc2_sqrt;
+  float one_minus_beta1, one_minus_beta2;
   bool adamw;
 };
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define ZE_CLONES __attribute__((target_clones("avx512f", "avx2,fma", "default")))
+#define ZE_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define ZE_CLONES
 #endif
 
-// kLow: also write the low-precision copy (a compile-time choice, so the plain loop has no
-// per-element branch and vectorises cleanly).
-template <typename Low, bool kLow>
+// The low-precision copy is written as raw 16-bit patterns by branch-free converters GCC can
+// vectorise: c10::BFloat16/Half's own constructors branch per element (NaN, subnormals), which
+// keeps the whole loop scalar and made the copy-out pass 4x slower than the update itself.
+// Both round to nearest even, bit for bit what torch's .to(dtype) gives.
+struct ToBFloat16 {
+  static inline uint16_t convert(float f) {
+    const uint32_t bits = __builtin_bit_cast(uint32_t, f);
+    const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+    return (bits & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t{0x7FC0} : uint16_t(rounded);
+  }
+};
+
+// float -> IEEE half, round to nearest even, all three cases computed and one selected (GCC 12
+// does not vectorise a float -> _Float16 cast without AVX512-FP16). Subnormal results: adding
+// 0.5 (as a float) lines the 10 mantissa bits up at the bottom, so the FPU does the rounding.
+struct ToHalf {
+  static inline uint16_t convert(float f) {
+    uint32_t x = __builtin_bit_cast(uint32_t, f);
+    const uint32_t sign = x & 0x80000000u;
+    x ^= sign;
+    constexpr uint32_t kF32Inf = 255u << 23, kOverflow = (127u + 16u) << 23;
+    constexpr uint32_t kMinNormal = 113u << 23;                    // 2^-14
+    constexpr uint32_t kMagic = ((127u - 15u) + (23u - 10u) + 1u) << 23;  // 0.5f
+    const uint32_t subnormal =
+        __builtin_bit_cast(uint32_t, __builtin_bit_cast(float, x) +
+                                         __builtin_bit_cast(float, kMagic)) - kMagic;
+    const uint32_t normal = (x + (15u << 23) - (127u << 23) + 0xFFFu + ((x >> 13) & 1u)) >> 13;
+    // Selection by bit masks: GCC leaves nested ?: here as control flow, which stops it from
+    // vectorising the loop. x has no sign bit now, so signed compares are exact (AVX2 has
+    // only signed ones).
+    const int32_t xs = static_cast<int32_t>(x);
+    const uint32_t nan = -static_cast<uint32_t>(xs > int32_t{kF32Inf});
+    const uint32_t over = -static_cast<uint32_t>(xs >= int32_t{kOverflow});
+    const uint32_t tiny = -static_cast<uint32_t>(xs < int32_t{kMinNormal});
+    const uint32_t special = 0x7C00u | (nan & 0x0200u);  // inf, or a quiet NaN
+    const uint32_t out = (over & special) |
+                         (~over & ((tiny & subnormal) | (~tiny & normal)));
+    return static_cast<uint16_t>(out | (sign >> 16));
+  }
+};
+
+// kLow: also write the low-precision copy; kLerpFromM: which of torch's two lerp formulas
+// applies (1 - beta1 < 0.5 or not). Both are compile-time choices: a loop-invariant ?: over
+// floating-point arms stays control flow in GCC (it may not speculate FP ops that could trap),
+// and control flow stops vectorisation.
+template <typename Convert, bool kLow, bool kLerpFromM>
 ZE_CLONES void adam_range(float* __restrict p, const float* __restrict g, float* __restrict m,
-                          float* __restrict v, Low* __restrict low, int64_t begin, int64_t end,
-                          Hyper h) {
-  const float one_minus_beta1 = 1.0f - h.beta1, one_minus_beta2 = 1.0f - h.beta2;
-  const float decay = 1.0f - h.lr * h.weight_decay;
+                          float* __restrict v, uint16_t* __restrict low, int64_t begin,
+                          int64_t end, Hyper h) {
+  const float one_minus_beta1 = h.one_minus_beta1, one_minus_beta2 = h.one_minus_beta2;
+  const float lerp_rest = 1.0f - one_minus_beta1;  // torch's (1 - weight), in float
+  // Both weight-decay forms as arithmetic with neutral values instead of branches (x * 1 and
+  // g + x * 0 are exact), so the loop body has no control flow and vectorises in every variant.
+  const float decay = h.adamw ? 1.0f - h.lr * h.weight_decay : 1.0f;  // AdamW: decoupled
+  const float l2 = h.adamw ? 0.0f : h.weight_decay;                    // Adam: L2 in the grad
+  // torch's lerp(m, g, w) is m + w * (g - m) for w < 0.5, else g - (g - m) * (1 - w)
+  // A multiply instead of torch's division by sqrt(bc2) (at most 1 ulp apart): one thread is
+  // bound by the divide/sqrt unit, not by memory, and this takes one of its three operations.
+  const float inv_bc2_sqrt = h.inv_bc2_sqrt;  // 1 / sqrt(bc2) taken in double
   for (int64_t i = begin; i < end; ++i) {
-    float grad = g[i];
-    float param = p[i];
-    if (h.adamw) {
-      param = param * decay;
-    } else if (h.weight_decay != 0.0f) {
-      grad = grad + param * h.weight_decay;  // Adam's L2 penalty enters the gradient
-    }
-    // torch's lerp(m, g, w) with w = 1 - beta1 < 0.5 is m + w * (g - m)
-    const float mi = one_minus_beta1 < 0.5f ? m[i] + one_minus_beta1 * (grad - m[i])
-                                            : grad - (grad - m[i]) * h.beta1;
+    const float param0 = p[i];
+    const float grad = g[i] + param0 * l2;
+    float param = param0 * decay;
+    const float diff = grad - m[i];
+    const float mi = kLerpFromM ? m[i] + one_minus_beta1 * diff : grad - diff * lerp_rest;
     const float vi = v[i] * h.beta2 + one_minus_beta2 * grad * grad;
-    const float denom = std::sqrt(vi) / h.bc2_sqrt + h.eps;
+    const float denom = std::sqrt(vi) * inv_bc2_sqrt + h.eps;
     param = param + (-h.step_size) * (mi / denom);
     m[i] = mi;
     v[i] = vi;
     p[i] = param;
-    if constexpr (kLow) low[i] = static_cast<Low>(param);
+    if constexpr (kLow) low[i] = Convert::convert(param);
   }
+}
+
+template <typename Convert, bool kLow>
+void adam_parallel(float* p, const float* g, float* m, float* v, uint16_t* low, int64_t n,
+                   const Hyper& h) {
+  const int64_t grain = 1 << 15;
+  const bool from_m = h.one_minus_beta1 < 0.5f;
+  at::parallel_for(0, n, grain, [&](int64_t b, int64_t e) {
+    if (from_m) {
+      adam_range<Convert, kLow, true>(p, g, m, v, low, b, e, h);
+    } else {
+      adam_range<Convert, kLow, false>(p, g, m, v, low, b, e, h);
+    }
+  });
 }
 
 void check(const at::Tensor& t, const char* name, int64_t n) {
@@ -82,29 +147,23 @@ void adam_step(at::Tensor p, at::Tensor g, at::Tensor m, at::Tensor v, double lr
   const double bc2 = bias_correction ? 1.0 - std::pow(beta2, static_cast<double>(step)) : 1.0;
   Hyper h{static_cast<float>(lr), static_cast<float>(beta1), static_cast<float>(beta2),
           static_cast<float>(eps), static_cast<float>(weight_decay),
-          static_cast<float>(lr / bc1), static_cast<float>(std::sqrt(bc2)), adamw};
+          static_cast<float>(lr / bc1), static_cast<float>(1.0 / std::sqrt(bc2)),
+          static_cast<float>(1.0 - beta1), static_cast<float>(1.0 - beta2), adamw};
   float *pp = p.data_ptr<float>(), *mp = m.data_ptr<float>(), *vp = v.data_ptr<float>();
   const float* gp = g.data_ptr<float>();
-  const int64_t grain = 1 << 15;
   if (!low.has_value()) {
-    at::parallel_for(0, n, grain, [&](int64_t b, int64_t e) {
-      adam_range<float, false>(pp, gp, mp, vp, nullptr, b, e, h);
-    });
+    adam_parallel<ToBFloat16, false>(pp, gp, mp, vp, nullptr, n, h);
     return;
   }
   at::Tensor out = *low;
   TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.numel() == n,
               "low-precision copy must be a contiguous CPU tensor of ", n, " elements");
   if (out.scalar_type() == at::kBFloat16) {
-    auto* op = out.data_ptr<at::BFloat16>();
-    at::parallel_for(0, n, grain, [&](int64_t b, int64_t e) {
-      adam_range<c10::BFloat16, true>(pp, gp, mp, vp, op, b, e, h);
-    });
+    auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+    adam_parallel<ToBFloat16, true>(pp, gp, mp, vp, op, n, h);
   } else if (out.scalar_type() == at::kHalf) {
-    auto* op = out.data_ptr<at::Half>();
-    at::parallel_for(0, n, grain, [&](int64_t b, int64_t e) {
-      adam_range<c10::Half, true>(pp, gp, mp, vp, op, b, e, h);
-    });
+    auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::Half>());
+    adam_parallel<ToHalf, true>(pp, gp, mp, vp, op, n, h);
   } else {
     TORCH_CHECK(false, "low-precision copy must be bfloat16 or float16, got ", out.scalar_type());
   }
