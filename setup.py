@@ -31,12 +31,12 @@ setup(
     description="ZeRO-style memory-sharding training engine for PyTorch",
     packages=find_packages(include=["zeroengine", "zeroengine.*"]),
     python_requires=">=3.9",
-    install_requires=["torch>=2.4", "numpy"],
+    install_requires=["torch>=2.4", "numpy", "safetensors"],
     extras_require={
         "test": ["pytest", "hypothesis", "psutil"],
         "bench": ["psutil", "deepspeed"],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,
-    entry_points={"console_scripts": []},
+    entry_points={"console_scripts": ["zeroengine=zeroengine.cli:main"]},
 )

@@ -103,8 +103,8 @@ class ZeroConfig:
     stage3_max_reuse_distance: int = option(1_000_000_000, "Stage 3: keep a gathered parameter "
                                             "if it is reused within this many elements.", lo=0)
     stage3_gather_16bit_weights_on_model_save: bool = option(
-        False, "Stage 3: gather full weights when saving.",
-        no_effect="use engine.consolidated_state_dict() or `zeroengine consolidate`")
+        False, "Stage 3: let engine.save_16bit_model() gather the sharded weights and write "
+        "them (without it, it writes nothing at stage 3, as in DeepSpeed).")
 
 
 @dataclass

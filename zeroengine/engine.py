@@ -273,6 +273,30 @@ class ZeroEngine:
         """Bytes this rank sent/received per collective kind since the last call."""
         return self.comm.report(reset)
 
+    # -- checkpoints (checkpoint.py) ------------------------------------------------------------
+    def save_checkpoint(self, save_dir: str, tag: str | None = None,
+                        client_state: dict | None = None) -> str:
+        """Collective: each rank writes its own shards of ``<save_dir>/<tag>`` (default tag
+        ``global_step<N>``), atomically; ``latest`` then names it. Returns the path."""
+        from .checkpoint import save_checkpoint
+        return save_checkpoint(self, save_dir, tag, client_state)
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, **options):
+        """Collective: restore from ``<load_dir>/<tag>`` (None: the latest), whatever world
+        size, stage or offload it was saved with. Returns (path, client_state). Options:
+        load_optimizer_states, load_lr_scheduler_states, load_module_only, missing_ok (return
+        (None, None) instead of raising when nothing was saved yet: the resume pattern)."""
+        from .checkpoint import load_checkpoint
+        return load_checkpoint(self, load_dir, tag, **options)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors") -> bool:
+        """Collective: rank 0 writes the model's weights in the compute dtype (bf16/fp16, or
+        fp32 when that is what it trains in) as one safetensors file. At stage 3 this needs
+        ``stage3_gather_16bit_weights_on_model_save`` (as in DeepSpeed); without it nothing is
+        written and False is returned."""
+        from .checkpoint import save_16bit_model
+        return save_16bit_model(self, save_dir, save_filename)
+
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: on every rank, the full fp32 state dict with model.state_dict()'s keys."""
         full_values: dict[int, torch.Tensor] = {}

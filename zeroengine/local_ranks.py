@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import queue as queue_module
 import socket
+import time
 import traceback
 
 import torch.multiprocessing as mp
@@ -48,14 +50,26 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 300.0) -> list:
         p.start()
     results: dict[int, object] = {}
     errors = []
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world_size):
-            rank, ok, value = queue.get(timeout=timeout)
+        while len(results) < world_size and not errors:
+            try:
+                rank, ok, value = queue.get(timeout=0.5)
+            except queue_module.Empty:
+                # A rank killed outright (os._exit, a signal) reports nothing: notice it
+                # instead of waiting out the timeout while its peers hang in a collective.
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)
+                        and r not in results]
+                if dead:
+                    errors.append(f"rank {dead[0]} died with exit code "
+                                  f"{procs[dead[0]].exitcode}")
+                elif time.monotonic() > deadline:
+                    raise TimeoutError(f"ranks still running after {timeout:.0f} s") from None
+                continue
             if ok:
                 results[rank] = pickle.loads(value)
             else:
-                errors.append(f"rank {rank} failed:\n{value}")
-                break  # the others may now hang in a collective
+                errors.append(f"rank {rank} failed:\n{value}")  # the others may now hang
     finally:
         for p in procs:
             p.join(timeout=5 if errors else 30)

@@ -1,0 +1,400 @@
+"""Sharded checkpoints of a ZeroEngine: every rank writes only what it owns, in parallel, and
+any world size and stage can load any checkpoint (format: ckpt_format.py).
+
+Save: all ranks write into ``<save_dir>/<tag>.tmp/`` and fsync; one all-gather brings every
+file's sha256 to rank 0, which writes meta.json (fsynced), renames the directory into place and
+only then replaces ``latest``. A process killed at any point leaves ``latest`` naming the
+previous complete checkpoint.
+
+Load: every rank reads meta.json, then for each element the *new* layout gives it, the saved
+values from whichever rank files hold them (by parameter name, so the stage, world size, bucket
+sizes and offload may all differ), verifying each file's checksum before use. Whole parameters
+are then all-gathered as after an optimizer step.
+"""
+from __future__ import annotations
+
+import os
+import random
+import warnings
+
+import numpy as np
+import torch
+
+from . import ckpt_format as fmt
+from .ckpt_format import CheckpointError
+
+RNG_NUMPY_KEYS = ("MT19937",)
+
+
+# -- what the engine holds, by name ----------------------------------------------------------------
+def _names(engine) -> dict[int, str]:
+    """Parameter -> its first name (tied parameters have several)."""
+    names: dict[int, str] = {}
+    for name, p in engine.module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    return names
+
+
+def _master_shard(fg) -> torch.Tensor:
+    """The fp32 values of every element the rank owns, as one contiguous CPU tensor."""
+    if fg.master is not None:
+        return fg.master.detach().cpu()
+    return torch.cat([s.detach().float().cpu() for s in fg.master_segments])
+
+
+def _state_shards(engine, fg) -> tuple[dict[str, torch.Tensor], dict]:
+    """Elementwise optimizer state over the rank's shard (key -> tensor), and scalar state."""
+    inner = engine.optimizer.inner
+    shard_numel = fg.layout.shard_numel
+    elementwise: dict[str, torch.Tensor] = {}
+    scalars: dict = {}
+    for seg, master in zip(fg.layout.segments, fg.master_segments):
+        state = inner.state.get(master, {})
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.numel() == master.numel() and value.dim() > 0:
+                if key not in elementwise:
+                    elementwise[key] = torch.zeros(shard_numel, dtype=value.dtype)
+                elementwise[key][seg.shard_offset:seg.shard_offset + seg.chunk_numel].copy_(
+                    value.detach().reshape(-1))
+            elif key not in scalars:
+                scalars[key] = value.item() if torch.is_tensor(value) else value
+    return elementwise, scalars
+
+
+def _jsonable(value):
+    if torch.is_tensor(value):
+        return value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
+
+
+def _rng_state() -> dict:
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    state = {"torch": torch.get_rng_state(),
+             "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "gauss": float(gauss)},
+             "python": {"version": version, "internal": list(internal),
+                        "gauss_next": gauss_next}}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"],
+                         n["has_gauss"], n["gauss"]))
+    p = state["python"]
+    random.setstate((p["version"], tuple(p["internal"]), p["gauss_next"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# -- save ------------------------------------------------------------------------------------------
+def save_checkpoint(engine, save_dir: str, tag: str | None = None,
+                    client_state: dict | None = None) -> str:
+    """Collective: write this engine's checkpoint as ``<save_dir>/<tag>``; returns its path."""
+    from safetensors.torch import save_file
+    comm = engine.comm
+    tag = tag or f"global_step{engine.global_steps}"
+    if os.sep in tag or tag in ("", ".", "..", fmt.LATEST) or tag.endswith((".tmp", ".old")):
+        raise CheckpointError(f"checkpoint tag {tag!r} is not a plain directory name")
+    final = os.path.join(save_dir, tag)
+    tmp = final + ".tmp"
+    if comm.rank == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        if os.path.exists(tmp):  # left by a save that died
+            import shutil
+            shutil.rmtree(tmp)
+        os.makedirs(tmp)
+    comm.barrier()
+
+    names = _names(engine)
+    tensors: dict[str, torch.Tensor] = {}
+    groups_meta = []
+    for gi, fg in enumerate(engine.flat_groups):
+        owner = fg.layout.world_size > 1 or comm.rank == 0  # stage 0: rank 0 writes for all
+        elementwise, scalars = _state_shards(engine, fg)
+        if owner:
+            tensors[f"{gi}.master"] = _master_shard(fg)
+            for key, value in elementwise.items():
+                tensors[f"{gi}.state.{key}"] = value
+        groups_meta.append({
+            "optimizer_group": fg.group_index, "dtype": str(fg.dtype).replace("torch.", ""),
+            "shard_world": fg.layout.world_size, "partitioned": fg.partitioned,
+            "params": [[names[id(p)], list(slot.shape), slot.offset]
+                       for p, slot in zip(fg.params, fg.layout.slots)],
+            "segments": [[s.start, s.numel, s.shard_offset] for s in fg.layout.segments],
+            "state_keys": sorted(elementwise), "scalar_state": _jsonable(scalars)})
+    st_path = os.path.join(tmp, fmt.rank_file(comm.rank, "safetensors"))
+    save_file(tensors, st_path)
+    extras = {"rng": _rng_state()}
+    if comm.rank == 0:
+        extras["client_state"] = client_state or {}
+        extras["module_rest"] = _module_rest(engine, names)
+        if engine.lr_scheduler is not None:
+            extras["lr_scheduler"] = engine.lr_scheduler.state_dict()
+    pt_path = os.path.join(tmp, fmt.rank_file(comm.rank, "pt"))
+    torch.save(extras, pt_path)
+    for path in (st_path, pt_path):
+        fmt.fsync_file(path)
+    digests = _gather_digests(comm, [fmt.sha256_file(st_path), fmt.sha256_file(pt_path)])
+
+    if comm.rank == 0:
+        files = {}
+        for rank, (st, pt) in enumerate(digests):
+            files[fmt.rank_file(rank, "safetensors")] = st
+            files[fmt.rank_file(rank, "pt")] = pt
+        meta = _meta(engine, names, groups_meta, files, tag)
+        fmt.write_json_atomic(os.path.join(tmp, fmt.META), fmt.seal(meta))
+        fmt.fsync_dir(tmp)
+        fmt.publish_dir(tmp, final)
+        with open(os.path.join(save_dir, fmt.LATEST + ".tmp"), "w") as f:
+            f.write(tag)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(os.path.join(save_dir, fmt.LATEST + ".tmp"), os.path.join(save_dir, fmt.LATEST))
+        fmt.fsync_dir(save_dir)
+    comm.barrier()
+    return final
+
+
+def _gather_digests(comm, hexes: list[str]) -> list[list[str]]:
+    """Every rank's file digests, on every rank (one small all-gather)."""
+    mine = torch.tensor(list(bytes.fromhex("".join(hexes))), dtype=torch.uint8)
+    if comm.world_size == 1:
+        rows = [mine]
+    else:
+        out = torch.empty(comm.world_size * mine.numel(), dtype=torch.uint8)
+        comm.all_gather(out, mine)
+        rows = out.view(comm.world_size, -1)
+    return [[bytes(row[i * 32:(i + 1) * 32].tolist()).hex() for i in range(len(hexes))]
+            for row in rows]
+
+
+def _module_rest(engine, names: dict[int, str]) -> dict[str, torch.Tensor]:
+    """state_dict entries not held in flat groups: buffers, frozen and non-optimized params."""
+    managed = {id(p) for fg in engine.flat_groups for p in fg.params}
+    return {k: v.detach().cpu().clone() for k, v in engine.module.state_dict(keep_vars=True).items()
+            if id(v) not in managed}
+
+
+def _meta(engine, names, groups_meta, files, tag) -> dict:
+    from . import __version__
+    managed = {id(p) for fg in engine.flat_groups for p in fg.params}
+    state_dict_keys = {k: (names[id(v)] if id(v) in managed else None)
+                       for k, v in engine.module.state_dict(keep_vars=True).items()}
+    index = {}
+    for gi, g in enumerate(groups_meta):
+        for entry, (name, _, _) in enumerate(g["params"]):
+            index[name] = [gi, entry]
+    opt = engine.optimizer
+    scaler = opt.loss_scaler
+    return {
+        "format": fmt.FORMAT_VERSION, "zeroengine": __version__, "tag": tag,
+        "stage": engine.stage, "world_size": engine.comm.world_size,
+        "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
+        "optimizer_steps": opt.steps, "skipped_steps": opt.skipped_steps,
+        "loss_scaler": _jsonable(scaler.state_dict()) if scaler is not None else None,
+        "optimizer": {"class": opt.base_class.__name__,
+                      "inner_class": type(opt.inner).__name__,
+                      "param_groups": [_jsonable({k: v for k, v in g.items() if k != "params"})
+                                       for g in opt.param_groups]},
+        "groups": groups_meta, "index": index, "state_dict_keys": state_dict_keys,
+        "files": files,
+    }
+
+
+# -- load ------------------------------------------------------------------------------------------
+# Optimizer classes whose per-element state means the same thing under both names.
+_SAME_STATE = {"AdamW": "Adam", "Adam": "Adam", "CPUAdam": "Adam"}
+
+
+def load_checkpoint(engine, load_dir: str, tag: str | None = None, *,
+                    load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                    load_module_only: bool = False, missing_ok: bool = False):
+    """Collective: restore ``engine`` from ``<load_dir>/<tag>`` (None: ``latest``). Returns
+    (path, client_state), or (None, None) with ``missing_ok`` when nothing was saved yet (no
+    directory, or no ``latest`` in it)."""
+    if missing_ok and tag is None and not os.path.isdir(load_dir):
+        return None, None
+    path = fmt.resolve(load_dir, tag)
+    if path is None:
+        if missing_ok:
+            return None, None
+        raise CheckpointError(f"{os.path.join(load_dir, fmt.LATEST)} does not exist: no "
+                              "checkpoint was completed there (pass missing_ok=True to start "
+                              "fresh instead)")
+    meta = fmt.read_meta(path)
+    reader = fmt.ShardReader(path, meta)
+    names = _names(engine)
+    load_states = load_optimizer_states and not load_module_only
+    if load_states:
+        _check_optimizer_compatible(engine, meta, path)
+    for fg in engine.flat_groups:
+        _load_group(engine, fg, names, meta, reader, load_states, path)
+    _republish(engine)
+    extras = fmt.load_extras(fmt.verify(path, fmt.rank_file(0, "pt"), meta))
+    _load_module_rest(engine, extras.get("module_rest", {}), path)
+    if load_module_only:
+        return path, extras.get("client_state")
+    opt = engine.optimizer
+    engine.global_steps = meta["global_steps"]
+    engine.micro_steps = meta["micro_steps"]
+    opt.steps = meta["optimizer_steps"]
+    opt.skipped_steps = meta["skipped_steps"]
+    if opt.loss_scaler is not None and meta["loss_scaler"] is not None:
+        opt.loss_scaler.load_state_dict(meta["loss_scaler"])
+    if load_states:
+        for group, saved in zip(opt.param_groups, meta["optimizer"]["param_groups"]):
+            for key, value in saved.items():
+                if key in group and key not in ("foreach", "fused", "capturable"):
+                    group[key] = tuple(value) if isinstance(group[key], tuple) else value
+    if load_lr_scheduler_states and engine.lr_scheduler is not None and "lr_scheduler" in extras:
+        engine.lr_scheduler.load_state_dict(extras["lr_scheduler"])
+    rank = engine.comm.rank
+    own = fmt.rank_file(rank, "pt")
+    if own in meta["files"]:
+        mine = extras if rank == 0 else fmt.load_extras(fmt.verify(path, own, meta))
+        _set_rng_state(mine["rng"])
+    engine.optimizer.zero_grad()
+    return path, extras.get("client_state")
+
+
+def _check_optimizer_compatible(engine, meta: dict, path: str) -> None:
+    saved = meta["optimizer"]["inner_class"]
+    current = type(engine.optimizer.inner).__name__
+    if _SAME_STATE.get(saved, saved) != _SAME_STATE.get(current, current):
+        raise CheckpointError(
+            f"{os.path.join(path, fmt.META)} holds {saved} optimizer state but this engine's "
+            f"optimizer is {current}; use the same optimizer, or load_checkpoint(..., "
+            "load_optimizer_states=False) to take the weights only")
+    if len(meta["optimizer"]["param_groups"]) != len(engine.optimizer.param_groups):
+        raise CheckpointError(
+            f"{os.path.join(path, fmt.META)} has {len(meta['optimizer']['param_groups'])} "
+            f"optimizer param groups, this optimizer {len(engine.optimizer.param_groups)}")
+
+
+def _load_group(engine, fg, names, meta, reader, load_states: bool, path: str) -> None:
+    """Fill the rank's master (and optimizer state) for every element the new layout gives it."""
+    master = torch.zeros(fg.layout.shard_numel, dtype=torch.float32)
+    state_keys: set[str] = set()
+    scalars: dict = {}
+    located = []
+    for piece in fg.layout.shard_pieces(fg.rank):
+        name = names[id(fg.params[piece.param])]
+        if name not in meta["index"]:
+            raise CheckpointError(f"{os.path.join(path, fmt.META)} has no parameter {name!r}; "
+                                  "was it saved from another model?")
+        gi, entry = meta["index"][name]
+        saved_name, shape, offset = meta["groups"][gi]["params"][entry]
+        expected = list(fg.layout.slots[piece.param].shape)
+        if shape != expected:
+            raise CheckpointError(f"parameter {name!r} has shape {tuple(expected)} but "
+                                  f"{os.path.join(path, fmt.META)} saved {tuple(shape)}")
+        reader.read(gi, "master", offset + piece.param_offset, piece.numel,
+                    master[piece.shard_offset:piece.shard_offset + piece.numel])
+        located.append((piece, gi, offset))
+        state_keys.update(meta["groups"][gi]["state_keys"])
+        scalars.update(meta["groups"][gi]["scalar_state"])
+    _write_master(fg, master)
+    if not load_states or not state_keys:
+        return
+    shards = {key: torch.zeros(fg.layout.shard_numel, dtype=torch.float32) for key in state_keys}
+    for piece, gi, offset in located:
+        for key in meta["groups"][gi]["state_keys"]:
+            reader.read(gi, f"state.{key}", offset + piece.param_offset, piece.numel,
+                        shards[key][piece.shard_offset:piece.shard_offset + piece.numel])
+    _write_state(engine, fg, shards, scalars)
+
+
+def _write_master(fg, master: torch.Tensor) -> None:
+    for seg, target in zip(fg.layout.segments, fg.master_segments):
+        target.copy_(master[seg.shard_offset:seg.shard_offset + seg.chunk_numel])
+
+
+def _write_state(engine, fg, shards: dict[str, torch.Tensor], scalars: dict) -> None:
+    """Install the state through the inner optimizer's own load_state_dict, so each class gets
+    its own dtypes and devices (torch keeps ``step`` as a tensor, CPUAdam as an int)."""
+    inner = engine.optimizer.inner
+    from .ops import CPUAdam
+    wants_int_step = isinstance(inner, CPUAdam)
+    current = inner.state_dict()
+    index_of = {}
+    i = 0
+    for group in inner.param_groups:
+        for p in group["params"]:
+            index_of[id(p)] = i
+            i += 1
+    state = current["state"]
+    for seg, master in zip(fg.layout.segments, fg.master_segments):
+        entry = {}
+        for key, value in scalars.items():
+            if key == "step":
+                entry[key] = int(value) if wants_int_step else torch.tensor(float(value))
+            else:
+                entry[key] = value
+        for key, shard in shards.items():
+            entry[key] = shard[seg.shard_offset:seg.shard_offset + seg.chunk_numel].clone().to(
+                master.device)
+        state[index_of[id(master)]] = entry
+    inner.load_state_dict({"state": state, "param_groups": current["param_groups"]})
+
+
+def _republish(engine) -> None:
+    """Compute-dtype chunks from the masters, then whole parameters gathered everywhere."""
+    for fg in engine.flat_groups:
+        fg.publish_master()
+        if fg.sharded and not fg.partitioned:
+            for s in range(len(fg.layout.segments)):
+                engine.comm.all_gather(fg.full.segment_view(s), fg.chunk(s))
+    if engine.fetcher is not None:
+        engine.fetcher.refresh_gathered()
+
+
+def _load_module_rest(engine, rest: dict, path: str) -> None:
+    own = engine.module.state_dict(keep_vars=True)
+    managed = {id(p) for fg in engine.flat_groups for p in fg.params}
+    with torch.no_grad():
+        for key, value in own.items():
+            if id(value) in managed:
+                continue
+            if key not in rest:
+                warnings.warn(f"{path}: no saved value for {key!r}; it keeps its current value",
+                              stacklevel=3)
+                continue
+            value.copy_(rest[key])
+
+
+# -- 16-bit model export ---------------------------------------------------------------------------
+def save_16bit_model(engine, save_dir: str, filename: str = "model.safetensors") -> bool:
+    """Collective: the whole model in its compute dtype, written by rank 0 (tied parameters
+    under each of their names, so strict load_state_dict and from_pretrained accept it)."""
+    from safetensors.torch import save_file
+    zero = engine.config.zero_optimization
+    if engine.stage == 3 and not zero.stage3_gather_16bit_weights_on_model_save:
+        warnings.warn("save_16bit_model at stage 3 needs zero_optimization."
+                      "stage3_gather_16bit_weights_on_model_save=true (the weights are sharded); "
+                      "nothing was saved. `zeroengine consolidate` builds them from a checkpoint",
+                      stacklevel=3)
+        return False
+    full = engine.consolidated_state_dict()  # collective: fp32 values on every rank
+    if engine.comm.rank == 0:
+        dtype = engine.precision.compute
+        own = engine.module.state_dict(keep_vars=True)
+        out = {k: (v.to(dtype) if v.is_floating_point() and own[k].is_floating_point() else v)
+               .contiguous().clone() for k, v in full.items()}
+        os.makedirs(save_dir, exist_ok=True)
+        path = os.path.join(save_dir, filename)
+        save_file(out, path + ".tmp", metadata={"format": "pt"})
+        fmt.fsync_file(path + ".tmp")
+        os.replace(path + ".tmp", path)
+    engine.comm.barrier()
+    return True

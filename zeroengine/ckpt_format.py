@@ -1,0 +1,263 @@
+"""The on-disk checkpoint format: files, checksums, atomic directory swaps and the map from a
+parameter's elements to the rank files that hold them. No engine and no process group here, so
+``zeroengine consolidate`` can read a checkpoint with nothing but this module.
+
+A checkpoint is a directory ``<save_dir>/<tag>/``:
+  meta.json              written last by rank 0: layout of every flat group (per parameter: name,
+                         shape, flat offset; per segment: start, length, shard offset), counters,
+                         loss scaler, optimizer hyperparameters and scalar state, the sha256 of
+                         every other file, and a checksum of itself
+  rank00003.safetensors  rank 3's shards: "<group>.master" (fp32 values of the elements it owns)
+                         and "<group>.state.<key>" (elementwise optimizer state, same elements)
+  rank00003.pt           rank 3's RNG states; rank 0's also holds the lr scheduler, module buffers
+                         and frozen parameters, and the user's client_state (torch.save, loaded
+                         with weights_only=True: nothing pickled is ever executed)
+``<save_dir>/latest`` names the newest tag and is replaced last, atomically.
+
+Where an element lives: a parameter occupies [offset, offset + numel) of its group's flat buffer,
+inside one segment; a segment of length L is split into W equal chunks, chunk r (rank r's) at
+``shard_offset`` of rank r's shard. ``locate`` turns a flat range into (rank, shard offset)
+pieces; resharding is reading those pieces for every element the new layout gives a rank.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+
+import torch
+
+FORMAT_VERSION = 1
+META = "meta.json"
+LATEST = "latest"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or read as asked; the message names the file."""
+
+
+def rank_file(rank: int, ext: str) -> str:
+    return f"rank{rank:05d}.{ext}"
+
+
+# -- writing -------------------------------------------------------------------------------------
+def fsync_file(path: str) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_json_atomic(path: str, payload: dict) -> None:
+    """Write to a temporary name, fsync, rename: readers see the old file or the new one."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def seal(meta: dict) -> dict:
+    """meta with a checksum over its own canonical JSON, checked by ``read_meta``."""
+    body = json.dumps(meta, sort_keys=True).encode()
+    return {**meta, "meta_sha256": hashlib.sha256(body).hexdigest()}
+
+
+def publish_dir(tmp_dir: str, final_dir: str) -> None:
+    """Move a complete, fsynced checkpoint directory into place. Replacing an existing tag keeps
+    the old one as ``<tag>.old`` until the new one is in place (``resolve`` falls back to it)."""
+    parent = os.path.dirname(os.path.abspath(final_dir))
+    old = final_dir + ".old"
+    if os.path.exists(final_dir):
+        if os.path.exists(old):
+            shutil.rmtree(old)
+        os.replace(final_dir, old)
+    os.replace(tmp_dir, final_dir)
+    fsync_dir(parent)
+    if os.path.exists(old):
+        shutil.rmtree(old)
+
+
+# -- reading -------------------------------------------------------------------------------------
+def resolve(load_dir: str, tag: str | None) -> str | None:
+    """The checkpoint directory for ``tag`` (None: what ``latest`` names); None if there is no
+    ``latest`` yet. Raises if load_dir does not exist or the tag is missing."""
+    if not os.path.isdir(load_dir):
+        raise CheckpointError(f"checkpoint directory {load_dir} does not exist")
+    if tag is None:
+        latest = os.path.join(load_dir, LATEST)
+        if not os.path.exists(latest):
+            return None
+        with open(latest) as f:
+            tag = f.read().strip()
+        if not tag:
+            raise CheckpointError(f"{latest} is empty; pass tag= explicitly")
+    path = os.path.join(load_dir, tag)
+    if not os.path.isdir(path) and os.path.isdir(path + ".old"):
+        path += ".old"  # a save replacing this tag died between its two renames
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path} does not exist (tag {tag!r})")
+    return path
+
+
+def read_meta(ckpt_dir: str) -> dict:
+    path = os.path.join(ckpt_dir, META)
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing: {ckpt_dir} is not a complete zeroengine "
+                              "checkpoint") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} is corrupt (not valid JSON: {err})") from None
+    if not isinstance(meta, dict) or "meta_sha256" not in meta:
+        raise CheckpointError(f"{path} is not zeroengine checkpoint metadata")
+    claimed = meta.pop("meta_sha256")
+    actual = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
+    if claimed != actual:
+        raise CheckpointError(f"{path} is corrupt: its checksum does not match its contents")
+    if meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{path} has checkpoint format {meta.get('format')!r}; this "
+                              f"zeroengine reads format {FORMAT_VERSION}")
+    return meta
+
+
+def verify(ckpt_dir: str, name: str, meta: dict) -> str:
+    """Path of a checkpoint file whose sha256 matches the one meta.json recorded."""
+    path = os.path.join(ckpt_dir, name)
+    expected = meta["files"].get(name)
+    if expected is None:
+        raise CheckpointError(f"{path} is not listed in {META}")
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path} is missing")
+    if sha256_file(path) != expected:
+        raise CheckpointError(f"{path} is corrupt or was modified: sha256 does not match "
+                              f"{META} (truncated copy or altered bytes?)")
+    return path
+
+
+def load_extras(path: str) -> dict:
+    """A rank's .pt file, without executing any pickled code."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # weights_only refuses anything but tensors and plain containers
+        raise CheckpointError(f"{path} could not be loaded safely (weights_only=True refused "
+                              f"it: {type(err).__name__}: {str(err).splitlines()[0]})") from None
+
+
+@dataclass(frozen=True)
+class Piece:
+    rank: int  # which rank's file
+    shard_offset: int  # where in that rank's shard tensor
+    numel: int
+    out_offset: int  # where in the requested range
+
+
+def locate(group: dict, flat_begin: int, numel: int) -> list[Piece]:
+    """Split the flat range [flat_begin, flat_begin + numel) of a saved group (which lies in one
+    segment, as every parameter does) into per-rank pieces of the saved shards."""
+    world = group["shard_world"]
+    for start, length, shard_offset in group["segments"]:
+        if start <= flat_begin < start + length:
+            break
+    else:
+        raise CheckpointError(f"flat offset {flat_begin} is outside every saved segment")
+    if flat_begin + numel > start + length:
+        raise CheckpointError("a parameter spans two saved segments; metadata is inconsistent")
+    chunk = length // world
+    pieces, done = [], 0
+    while done < numel:
+        local = flat_begin + done - start
+        rank, within = divmod(local, chunk)
+        n = min(chunk - within, numel - done)
+        pieces.append(Piece(rank, shard_offset + within, n, done))
+        done += n
+    return pieces
+
+
+class ShardReader:
+    """Reads ranges of the saved shards, opening (and verifying) each rank file once."""
+
+    def __init__(self, ckpt_dir: str, meta: dict):
+        self.dir = ckpt_dir
+        self.meta = meta
+        self._open: dict[int, object] = {}
+
+    def _file(self, rank: int):
+        handle = self._open.get(rank)
+        if handle is None:
+            from safetensors import safe_open
+            path = verify(self.dir, rank_file(rank, "safetensors"), self.meta)
+            try:
+                handle = safe_open(path, framework="pt", device="cpu")
+            except Exception as err:
+                raise CheckpointError(f"{path} is not a readable safetensors file: "
+                                      f"{err}") from None
+            self._open[rank] = handle
+        return handle
+
+    def read(self, group_index: int, key: str, flat_begin: int, numel: int,
+             out: torch.Tensor) -> None:
+        """Fill ``out`` (numel elements) with saved ``key`` ("master" or "state.<name>") values
+        of flat range [flat_begin, +numel) of saved group ``group_index``."""
+        group = self.meta["groups"][group_index]
+        name = f"{group_index}.{key}"
+        for piece in locate(group, flat_begin, numel):
+            handle = self._file(piece.rank)
+            try:
+                source = handle.get_slice(name)[piece.shard_offset:
+                                                piece.shard_offset + piece.numel]
+            except Exception as err:
+                path = os.path.join(self.dir, rank_file(piece.rank, "safetensors"))
+                raise CheckpointError(f"{path} has no readable tensor {name!r}: {err}") from None
+            out[piece.out_offset:piece.out_offset + piece.numel].copy_(source)
+
+    def full_parameter(self, name: str, key: str = "master") -> torch.Tensor:
+        """One parameter's whole saved value (fp32), by name."""
+        gi, entry = self.meta["index"][name]
+        group = self.meta["groups"][gi]
+        _, shape, offset = group["params"][entry]
+        numel = 1
+        for s in shape:
+            numel *= s
+        out = torch.empty(numel, dtype=torch.float32)
+        self.read(gi, key, offset, numel, out)
+        return out.view(shape)
+
+
+def consolidated_state_dict(ckpt_dir: str) -> dict[str, torch.Tensor]:
+    """The full fp32 model state dict a checkpoint holds, under every name of model.state_dict()
+    (tied parameters under each of their names), from the files alone."""
+    meta = read_meta(ckpt_dir)
+    reader = ShardReader(ckpt_dir, meta)
+    extras = load_extras(verify(ckpt_dir, rank_file(0, "pt"), meta))
+    rest = extras.get("module_rest", {})
+    out = {}
+    for key, canonical in meta["state_dict_keys"].items():
+        if canonical is not None:
+            out[key] = reader.full_parameter(canonical).clone()
+        elif key in rest:
+            value = rest[key]
+            out[key] = value.float() if value.is_floating_point() else value
+        else:
+            raise CheckpointError(f"{os.path.join(ckpt_dir, rank_file(0, 'pt'))} lacks the "
+                                  f"module entry {key!r}")
+    return out
