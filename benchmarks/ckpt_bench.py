@@ -84,7 +84,7 @@ def main() -> None:
     ap.add_argument("--small", action="store_true")
     args = ap.parse_args()
     from zeroengine.cli import main as cli
-    print("| stage | params | checkpoint size (MB) | save, 2 ranks (s) | load, 2 ranks (s) | "
+    print("| stage | params | checkpoint size, all ranks (MB) | save, 2 ranks (s) | load, 2 ranks (s) | "
           "load resharded to 1 rank, stage 0 (s) | consolidate (s) |")
     print("|---|---|---|---|---|---|---|")
     for stage in (int(s) for s in args.stages.split(",")):
@@ -102,7 +102,7 @@ def main() -> None:
                 cli(["consolidate", os.path.join(root, f"t{r}"), os.path.join(root, "out")])
                 times.append(time.perf_counter() - start)
             print(f"| {stage} | {ranks[0]['params'] / 1e6:.1f}M | {ranks[0]['bytes'] / 2**20:.0f}"
-                  f" (rank 0) | {save:.2f} | {load:.2f} | {reshard:.2f} | "
+                  f" | {save:.2f} | {load:.2f} | {reshard:.2f} | "
                   f"{statistics.median(times):.2f} |", flush=True)
         finally:
             shutil.rmtree(root, ignore_errors=True)
