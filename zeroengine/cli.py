@@ -1,6 +1,8 @@
 """The ``zeroengine`` console script.
 
     zeroengine consolidate CKPT_DIR OUT [--tag TAG] [--pt]
+    zeroengine check-config CONFIG [--world N]
+    zeroengine estimate (--params P | --config CONFIG) [--stage S] [--world N ...] ...
 """
 from __future__ import annotations
 
@@ -36,6 +38,60 @@ def _consolidate(args) -> int:
     return 0
 
 
+def _check_config(args) -> int:
+    import dataclasses
+    import json
+
+    from .config import parse_config, resolve_auto
+    cfg = parse_config(args.config)
+    resolve_auto(cfg, args.world, "float32")
+    print(json.dumps(dataclasses.asdict(cfg), indent=2, sort_keys=True))
+    print(f"{args.config}: valid (resolved for world size {args.world})", file=sys.stderr)
+    return 0
+
+
+def _estimate(args) -> int:
+    from .config import parse_config
+    from .estimate import gpt_num_params, model_state_bytes, states_per_param
+    stage, precision, optimizer = args.stage, args.precision, args.optimizer
+    offload_optimizer, offload_param = args.offload_optimizer, args.offload_param
+    params = args.params
+    source = f"{params:,.0f} parameters" if params else ""
+    if args.config:
+        cfg = parse_config(args.config)
+        zero = cfg.zero_optimization
+        stage = zero.stage if stage is None else stage
+        precision = "fp16" if cfg.fp16.enabled is True else (
+            "bf16" if cfg.bf16.enabled is True else "fp32")
+        offload_optimizer = offload_optimizer or zero.offload_optimizer.device == "cpu"
+        offload_param = offload_param or zero.offload_param.device == "cpu"
+        if cfg.optimizer is not None:
+            optimizer = cfg.optimizer.type
+        if not params:
+            m = cfg.job.model
+            params = gpt_num_params(256, m.context, m.layers, m.dim)
+            source = (f"the built-in GPT of {args.config} ({m.layers} layers, dim {m.dim}): "
+                      f"{params:,} parameters")
+    if not params:
+        raise SystemExit("zeroengine estimate: give --params or --config")
+    stage = 0 if stage is None else stage
+    states = states_per_param(optimizer)
+    gib = 2 ** 30
+    print(f"Model states per rank for {source}, stage {stage}, {precision}, {optimizer} "
+          f"({states} states/param), offload optimizer {'on' if offload_optimizer else 'off'}, "
+          f"params {'on' if offload_param else 'off'} (GiB; ZeRO formulas, no activations or "
+          "buffers)\n")
+    print("| world size | params | grads | optimizer states | device total | host total |")
+    print("|---|---|---|---|---|---|")
+    for world in args.world:
+        e = model_state_bytes(params, stage, world, precision, states, offload_optimizer,
+                              offload_param)
+        print(f"| {world} | {e.params / gib:.3f} | {e.grads / gib:.3f} | "
+              f"{e.optimizer_states / gib:.3f} | {e.device_total / gib:.3f} | "
+              f"{e.host_total / gib:.3f} |")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zeroengine", description="zeroengine tools")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -47,15 +103,33 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--tag", default=None, help="checkpoint tag (default: the latest)")
     c.add_argument("--pt", action="store_true", help="also write pytorch_model.pt")
     c.set_defaults(run=_consolidate)
+
+    k = sub.add_parser("check-config", help="validate a JSON config and print it resolved")
+    k.add_argument("config")
+    k.add_argument("--world", type=int, default=1, help="world size to resolve batch sizes for")
+    k.set_defaults(run=_check_config)
+
+    e = sub.add_parser("estimate", help="model-state memory per rank (ZeRO formulas)")
+    e.add_argument("--params", type=float, default=None, help="parameter count, e.g. 7e9")
+    e.add_argument("--config", default=None, help="take stage, precision, offload and "
+                   "optimizer from this config (and the size of its built-in job model)")
+    e.add_argument("--stage", type=int, default=None, choices=(0, 1, 2, 3))
+    e.add_argument("--world", type=int, nargs="+", default=[1, 2, 8, 64, 1024])
+    e.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
+    e.add_argument("--optimizer", default="adamw")
+    e.add_argument("--offload-optimizer", action="store_true")
+    e.add_argument("--offload-param", action="store_true")
+    e.set_defaults(run=_estimate)
     return parser
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from .ckpt_format import CheckpointError
+    from .config import ConfigError
     try:
         return args.run(args)
-    except CheckpointError as err:
+    except (CheckpointError, ConfigError, ValueError) as err:
         print(f"zeroengine {args.command}: error: {err}", file=sys.stderr)
         return 2
 

@@ -146,6 +146,27 @@ class SchedulerConfig:
 
 
 @dataclass
+class JobModelConfig:
+    layers: int = option(4, "Transformer blocks.", lo=1)
+    heads: int = option(4, "Attention heads per block (must divide dim).", lo=1)
+    dim: int = option(256, "Model width.", lo=1)
+    context: int = option(128, "Tokens per training sequence.", lo=2)
+
+
+@dataclass
+class JobConfig:
+    """Settings of the built-in `zeroengine train` job; the engine itself ignores them."""
+    run_name: str = option("gpt-stdlib", "Outputs go to runs/<run_name>/.")
+    model: JobModelConfig = option(JobModelConfig(), "Size of the byte-level GPT.")
+    steps: int = option(200, "Optimizer steps to train.", lo=1)
+    eval_interval: int = option(50, "Evaluate validation loss every this many steps.", lo=1)
+    eval_batches: int = option(4, "Micro-batches per validation evaluation.", lo=1)
+    checkpoint_interval: int = option(100, "Save a sharded checkpoint every this many steps "
+                                      "(0: only at the end).", lo=0)
+    seed: int = option(0, "Seed of model init and data order.")
+
+
+@dataclass
 class Config:
     train_batch_size: Optional[int] = option(None, "Samples per optimizer step over all ranks: "
                                              "micro batch x accumulation steps x world size.",
@@ -172,6 +193,8 @@ class Config:
         choices=("fp32", "bf16", "fp16"))
     wall_clock_breakdown: bool = option(False, "DeepSpeed timers.", no_effect="use "
                                         "benchmarks/step_bench.py and engine.comm_report()")
+    job: JobConfig = option(JobConfig(), "The built-in `zeroengine train` job: model size, steps, "
+                            "evaluation, run name (not a DeepSpeed key; initialize() ignores it).")
     zero_allow_untested_optimizer: bool = option(True, "DeepSpeed's guard for client "
                                                  "optimizers.", no_effect="every elementwise "
                                                  "optimizer is supported")
@@ -323,6 +346,9 @@ def parse_config(source: "str | os.PathLike | dict | Config") -> Config:
         raise ConfigError("zero_optimization.offload_optimizer needs stage 1, 2 or 3 (it offloads "
                           "the rank's shard of the optimizer state); set zero_optimization.stage "
                           "or offload_optimizer.device 'none'")
+    if cfg.job.model.dim % cfg.job.model.heads:
+        raise ConfigError(f"job.model.heads ({cfg.job.model.heads}) must divide job.model.dim "
+                          f"({cfg.job.model.dim})")
     if zero.offload_param.device != "none" and zero.stage != 3:
         raise ConfigError(f"zero_optimization.offload_param needs stage 3 (only stage 3 shards "
                           f"parameters), but stage is {zero.stage}; set stage 3 or "

@@ -1,0 +1,118 @@
+"""The `zeroengine` console script's check-config and estimate, and the estimate's formulas
+against the ZeRO paper and against what the engine really holds."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+
+from zeroengine.cli import main
+from zeroengine.estimate import gpt_num_params, model_state_bytes, states_per_param
+from zeroengine.local_ranks import run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.json"))),
+                         ids=os.path.basename)
+def test_check_config_accepts_and_resolves_every_shipped_config(path, capsys):
+    assert main(["check-config", path, "--world", "2"]) == 0
+    out = capsys.readouterr()
+    resolved = json.loads(out.out)
+    assert resolved["job"]["model"]["dim"] > 0 and "zero_optimization" in resolved
+    if resolved["train_micro_batch_size_per_gpu"]:
+        assert resolved["train_batch_size"] == 2 * resolved["train_micro_batch_size_per_gpu"] \
+            * resolved["gradient_accumulation_steps"]
+    assert "valid" in out.err
+
+
+@pytest.mark.parametrize("text,message", [
+    ('{"zero_optimization": {"stage": 5}}', "zero_optimization.stage: 5 is out of range"),
+    ('{"job": {"model": {"dim": 100, "heads": 3}}}', "job.model.heads (3) must divide"),
+    ('{"zero_optimizaton": {}}', "did you mean 'zero_optimization'"),
+    ('{"stage": 2,}', "not valid JSON"),
+])
+def test_check_config_names_the_problem(tmp_path, capsys, text, message):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    assert main(["check-config", str(path)]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_estimate_gives_the_papers_numbers():
+    """Mixed-precision Adam, P parameters, N ranks: 16P, 4P + 12P/N, 2P + 14P/N, 16P/N."""
+    P, N = 7.5e9, 64
+    expected = [16 * P, 4 * P + 12 * P / N, 2 * P + 14 * P / N, 16 * P / N]
+    for stage, bytes_ in enumerate(expected):
+        e = model_state_bytes(P, stage, N, "bf16", states=2)
+        assert e.device_total == pytest.approx(bytes_) and e.host_total == 0
+    # the paper's example: 7.5B at stage 3 on 64 GPUs is 1.9 GB per device
+    assert model_state_bytes(P, 3, N, "bf16").device_total / 1e9 == pytest.approx(1.875)
+
+
+def test_estimate_offload_moves_states_to_the_host():
+    P, N = 1e9, 8
+    plain = model_state_bytes(P, 2, N, "bf16")
+    off = model_state_bytes(P, 2, N, "bf16", offload_optimizer=True)
+    assert off.optimizer_states == 0 and off.host_optimizer_states == plain.optimizer_states
+    assert off.host_grads == 4 * P / N and off.params == plain.params
+    both = model_state_bytes(P, 3, N, "bf16", offload_optimizer=True, offload_param=True)
+    assert both.params == 0 and both.host_params == 2 * P / N
+    with pytest.raises(ValueError, match="offload_param needs stage 3"):
+        model_state_bytes(P, 2, N, offload_param=True)
+    assert states_per_param("SGD", momentum=0) == 0 and states_per_param("AdamW") == 2
+
+
+def test_estimate_cli(capsys):
+    assert main(["estimate", "--params", "7.5e9", "--stage", "3", "--world", "64"]) == 0
+    row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 64 ")]
+    assert row and "1.746" in row[0]  # 16 * 7.5e9 / 64 bytes in GiB
+    assert main(["estimate", "--config", os.path.join(ROOT, "configs", "zero3.json"),
+                 "--world", "2"]) == 0
+    assert "built-in GPT" in capsys.readouterr().out
+
+
+def test_gpt_parameter_count_formula():
+    from zeroengine.examples.gpt import GPT, GPTConfig, num_params
+    cfg = GPTConfig(context=32, layers=3, heads=2, dim=24)
+    assert gpt_num_params(cfg.vocab, cfg.context, cfg.layers, cfg.dim) == num_params(GPT(cfg))
+
+
+def measured_states(cases):
+    import torch
+
+    import zeroengine
+    from zeroengine.examples.gpt import GPT, GPTConfig, num_params
+    out = []
+    for stage, precision, offload in cases:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(context=32, layers=2, heads=4, dim=128))
+        zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
+        if offload:
+            zero["offload_optimizer"] = {"device": "cpu"}
+        cfg = {"optimizer": {"type": "AdamW"}, "zero_optimization": zero,
+               "bf16": {"enabled": precision == "bf16"}}
+        engine = zeroengine.initialize(model, cfg)
+        tokens = torch.randint(0, 256, (2, 33))
+        engine.backward(model.loss(tokens[:, :-1], tokens[:, 1:]))
+        engine.step()  # optimizer state exists from the first step
+        out.append((engine.memory_report(), num_params(model)))
+        engine.close()
+    return out
+
+
+def test_estimate_matches_what_the_engine_holds():
+    """Per category within 5% (padding, and torch's per-chunk step tensors, are the rest)."""
+    cases = [(s, p, False) for s in (0, 1, 2, 3) for p in ("fp32", "bf16")] + \
+        [(2, "bf16", True)]
+    results = run_ranks(2, measured_states, cases)[0]
+    for (stage, precision, offload), (report, n) in zip(cases, results):
+        e = model_state_bytes(n, stage, 2, precision, 2, offload_optimizer=offload)
+        pairs = [("params", e.params), ("grads", e.grads),
+                 ("optimizer_states", e.optimizer_states),
+                 ("host_optimizer_states", e.host_optimizer_states)]
+        for key, estimate in pairs:
+            assert report[key] == pytest.approx(estimate, rel=0.05, abs=1024), \
+                (stage, precision, offload, key, report[key], estimate)

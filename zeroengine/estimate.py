@@ -1,0 +1,87 @@
+"""Model-state memory per rank from the ZeRO paper's formulas, as zeroengine lays it out.
+
+With P parameters, N ranks, b bytes per parameter in the compute dtype (2 in bf16/fp16, 4 in
+fp32) and S elementwise optimizer states (Adam: 2; SGD with momentum: 1):
+  params      b*P (stage 3: b*P/N)
+  grads       b*P (stages 2-3: b*P/N)
+  optimizer   (m + 4*S)*P / N   (stage 0: not divided), m = 4 for the fp32 master copy (mixed
+              precision, or any offloaded run), 0 in fp32 where the parameter is the master
+Offload moves the optimizer part to host memory, plus an fp32 host copy of the gradient shard
+(4*P/N); offload_param moves the stage-3 parameter shard there. Mixed-precision Adam gives the
+paper's 16P, 4P + 12P/N, 2P + 14P/N and 16P/N for stages 0-3.
+Not included: bucket/prefetch buffers, padding (< N*16 elements per bucket), activations.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+STATES_PER_PARAM = {"adam": 2, "adamw": 2, "cpuadam": 2, "adamax": 2, "nadam": 2, "radam": 2,
+                    "sgd": 1, "adagrad": 1, "rmsprop": 1, "adadelta": 2, "asgd": 2, "rprop": 2}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    params: float
+    grads: float
+    optimizer_states: float
+    host_params: float = 0.0
+    host_grads: float = 0.0
+    host_optimizer_states: float = 0.0
+
+    @property
+    def device_total(self) -> float:
+        return self.params + self.grads + self.optimizer_states
+
+    @property
+    def host_total(self) -> float:
+        return self.host_params + self.host_grads + self.host_optimizer_states
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "device_total": self.device_total, "host_total": self.host_total}
+
+
+def states_per_param(optimizer: str, momentum: float = 0.9) -> int:
+    key = optimizer.lower()
+    if key not in STATES_PER_PARAM:
+        raise ValueError(f"unknown optimizer {optimizer!r} for the estimate; known: "
+                         f"{', '.join(sorted(STATES_PER_PARAM))}")
+    if key == "sgd" and not momentum:
+        return 0
+    return STATES_PER_PARAM[key]
+
+
+def model_state_bytes(num_params: float, stage: int, world_size: int, precision: str = "fp32",
+                      states: int = 2, offload_optimizer: bool = False,
+                      offload_param: bool = False) -> MemoryEstimate:
+    """Bytes of model states per rank (see the module docstring for the formulas)."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0-3, got {stage}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"precision must be fp32, bf16 or fp16, got {precision!r}")
+    if offload_optimizer and stage == 0:
+        raise ValueError("offload_optimizer needs stage 1-3")
+    if offload_param and stage != 3:
+        raise ValueError("offload_param needs stage 3")
+    P, N = float(num_params), world_size
+    b = 4 if precision == "fp32" else 2
+    shard = P / N
+    params = b * shard if stage == 3 else b * P
+    grads = b * shard if stage >= 2 else b * P
+    master = 4 if (precision != "fp32" or offload_optimizer) else 0
+    optimizer = (master + 4 * states) * (shard if stage >= 1 else P)
+    host = {}
+    if offload_optimizer:
+        host["host_optimizer_states"], optimizer = optimizer, 0.0
+        host["host_grads"] = 4 * shard
+    if offload_param:
+        host["host_params"], params = params, 0.0
+    return MemoryEstimate(params, grads, optimizer, **host)
+
+
+def gpt_num_params(vocab: int, context: int, layers: int, dim: int) -> int:
+    """Parameters of zeroengine.examples.gpt.GPT (tied embedding and head)."""
+    block = 2 * 2 * dim + (3 * dim * dim + 3 * dim) + (dim * dim + dim) + \
+        (4 * dim * dim + 4 * dim) + (4 * dim * dim + dim)
+    return vocab * dim + context * dim + layers * block + 2 * dim
