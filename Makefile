@@ -23,8 +23,8 @@ test: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
 
 demo: setup
-	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node=2 \
-		-m zeroengine.examples.demo configs/zero2.json
+	$(PY) -m pip install -q tqdm matplotlib
+	$(VENV)/bin/zeroengine train configs/demo_zero3.json --nproc 2
 
 bench: setup
 	$(PY) benchmarks/step_bench.py

@@ -35,6 +35,7 @@ setup(
     extras_require={
         "test": ["pytest", "hypothesis", "psutil"],
         "bench": ["psutil", "deepspeed"],
+        "train": ["tqdm", "matplotlib"],  # zeroengine train: progress bar and the loss plot
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

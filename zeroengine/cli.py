@@ -1,5 +1,6 @@
 """The ``zeroengine`` console script.
 
+    zeroengine train CONFIG [--nproc N] [--resume] [--steps S] [--run-name NAME]
     zeroengine consolidate CKPT_DIR OUT [--tag TAG] [--pt]
     zeroengine check-config CONFIG [--world N]
     zeroengine estimate (--params P | --config CONFIG) [--stage S] [--world N ...] ...
@@ -92,9 +93,39 @@ def _estimate(args) -> int:
     return 0
 
 
+def _train(args) -> int:
+    worker_args = [args.config, "--runs-dir", args.runs_dir] + \
+        (["--resume"] if args.resume else []) + \
+        (["--steps", str(args.steps)] if args.steps else []) + \
+        (["--run-name", args.run_name] if args.run_name else [])
+    launched = any(k in os.environ for k in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"))
+    if args.nproc and not launched:
+        # Launch the ranks here, through torchrun's own module (restarts, signals, exit codes).
+        import subprocess
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={args.nproc}", "-m", "zeroengine.train_job", *worker_args]
+        return subprocess.call(cmd, env=env)
+    from .train_job import main as worker  # under a launcher already: just join
+    return worker(worker_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zeroengine", description="zeroengine tools")
     sub = parser.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train the built-in byte-level GPT on the Python standard "
+                       "library's sources, as the config's 'job' section says")
+    t.add_argument("config")
+    t.add_argument("--nproc", type=int, default=None, help="launch this many local ranks "
+                   "(under torchrun/SLURM/MPI already: omit it, the ranks just join)")
+    t.add_argument("--resume", action="store_true", help="continue from the run's latest "
+                   "checkpoint")
+    t.add_argument("--steps", type=int, default=None, help="override job.steps")
+    t.add_argument("--run-name", default=None, help="override job.run_name")
+    t.add_argument("--runs-dir", default="runs")
+    t.set_defaults(run=_train)
+
     c = sub.add_parser("consolidate", help="write one fp32 state dict from a sharded checkpoint "
                        "(any world size), as model.safetensors")
     c.add_argument("checkpoint_dir", help="the save_dir given to engine.save_checkpoint "
