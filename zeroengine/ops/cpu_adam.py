@@ -56,7 +56,7 @@ class CPUAdam(torch.optim.Optimizer):
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
                     state["exp_avg_sq"] = torch.zeros_like(p,
                                                            memory_format=torch.contiguous_format)
-                state["step"] += 1
+                state["step"] = int(state["step"]) + 1  # torch-format state holds a tensor
                 low = low_precision_copies.get(p) if low_precision_copies else None
                 args = (group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
                         state["step"], group["adamw_mode"], group["bias_correction"])
