@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import warnings
 
 import numpy as np
@@ -22,8 +23,6 @@ import torch
 
 from . import ckpt_format as fmt
 from .ckpt_format import CheckpointError
-
-RNG_NUMPY_KEYS = ("MT19937",)
 
 
 # -- what the engine holds, by name ----------------------------------------------------------------
@@ -33,6 +32,11 @@ def _names(engine) -> dict[int, str]:
     for name, p in engine.module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
     return names
+
+
+def _managed(engine) -> set[int]:
+    """ids of the parameters held in flat groups (the rest of state_dict is saved as is)."""
+    return {id(p) for fg in engine.flat_groups for p in fg.params}
 
 
 def _master_shard(fg) -> torch.Tensor:
@@ -111,7 +115,6 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None,
     if comm.rank == 0:
         os.makedirs(save_dir, exist_ok=True)
         if os.path.exists(tmp):  # left by a save that died
-            import shutil
             shutil.rmtree(tmp)
         os.makedirs(tmp)
     comm.barrier()
@@ -120,13 +123,13 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None,
     tensors: dict[str, torch.Tensor] = {}
     groups_meta = []
     for gi, fg in enumerate(engine.flat_groups):
-        owner = fg.layout.world_size > 1 or comm.rank == 0  # stage 0: rank 0 writes for all
+        if fg.layout.world_size == 1 and comm.rank != 0:
+            continue  # stage 0: one owner, rank 0 writes for all
         elementwise, scalars = _state_shards(engine, fg)
-        if owner:
-            tensors[f"{gi}.master"] = _master_shard(fg)
-            for key, value in elementwise.items():
-                tensors[f"{gi}.state.{key}"] = value
-        groups_meta.append({
+        tensors[f"{gi}.master"] = _master_shard(fg)
+        for key, value in elementwise.items():
+            tensors[f"{gi}.state.{key}"] = value
+        groups_meta.append({  # used by rank 0, which owns a part of every group
             "optimizer_group": fg.group_index, "dtype": str(fg.dtype).replace("torch.", ""),
             "shard_world": fg.layout.world_size, "partitioned": fg.partitioned,
             "params": [[names[id(p)], list(slot.shape), slot.offset]
@@ -138,7 +141,7 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None,
     extras = {"rng": _rng_state()}
     if comm.rank == 0:
         extras["client_state"] = client_state or {}
-        extras["module_rest"] = _module_rest(engine, names)
+        extras["module_rest"] = _module_rest(engine)
         if engine.lr_scheduler is not None:
             extras["lr_scheduler"] = engine.lr_scheduler.state_dict()
     pt_path = os.path.join(tmp, fmt.rank_file(comm.rank, "pt"))
@@ -179,16 +182,16 @@ def _gather_digests(comm, hexes: list[str]) -> list[list[str]]:
             for row in rows]
 
 
-def _module_rest(engine, names: dict[int, str]) -> dict[str, torch.Tensor]:
+def _module_rest(engine) -> dict[str, torch.Tensor]:
     """state_dict entries not held in flat groups: buffers, frozen and non-optimized params."""
-    managed = {id(p) for fg in engine.flat_groups for p in fg.params}
+    managed = _managed(engine)
     return {k: v.detach().cpu().clone() for k, v in engine.module.state_dict(keep_vars=True).items()
             if id(v) not in managed}
 
 
 def _meta(engine, names, groups_meta, files, tag) -> dict:
     from . import __version__
-    managed = {id(p) for fg in engine.flat_groups for p in fg.params}
+    managed = _managed(engine)
     state_dict_keys = {k: (names[id(v)] if id(v) in managed else None)
                        for k, v in engine.module.state_dict(keep_vars=True).items()}
     index = {}
@@ -361,7 +364,7 @@ def _republish(engine) -> None:
 
 def _load_module_rest(engine, rest: dict, path: str) -> None:
     own = engine.module.state_dict(keep_vars=True)
-    managed = {id(p) for fg in engine.flat_groups for p in fg.params}
+    managed = _managed(engine)
     with torch.no_grad():
         for key, value in own.items():
             if id(value) in managed:
