@@ -159,12 +159,7 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None,
         fmt.write_json_atomic(os.path.join(tmp, fmt.META), fmt.seal(meta))
         fmt.fsync_dir(tmp)
         fmt.publish_dir(tmp, final)
-        with open(os.path.join(save_dir, fmt.LATEST + ".tmp"), "w") as f:
-            f.write(tag)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(os.path.join(save_dir, fmt.LATEST + ".tmp"), os.path.join(save_dir, fmt.LATEST))
-        fmt.fsync_dir(save_dir)
+        fmt.write_text_atomic(os.path.join(save_dir, fmt.LATEST), tag)
     comm.barrier()
     return final
 
@@ -226,15 +221,9 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, *,
     """Collective: restore ``engine`` from ``<load_dir>/<tag>`` (None: ``latest``). Returns
     (path, client_state), or (None, None) with ``missing_ok`` when nothing was saved yet (no
     directory, or no ``latest`` in it)."""
-    if missing_ok and tag is None and not os.path.isdir(load_dir):
-        return None, None
-    path = fmt.resolve(load_dir, tag)
+    path = fmt.resolve(load_dir, tag, missing_ok)
     if path is None:
-        if missing_ok:
-            return None, None
-        raise CheckpointError(f"{os.path.join(load_dir, fmt.LATEST)} does not exist: no "
-                              "checkpoint was completed there (pass missing_ok=True to start "
-                              "fresh instead)")
+        return None, None
     meta = fmt.read_meta(path)
     reader = fmt.ShardReader(path, meta)
     names = _names(engine)

@@ -64,15 +64,19 @@ def sha256_file(path: str) -> str:
     return digest.hexdigest()
 
 
-def write_json_atomic(path: str, payload: dict) -> None:
+def write_text_atomic(path: str, text: str) -> None:
     """Write to a temporary name, fsync, rename: readers see the old file or the new one."""
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump(payload, f, indent=1, sort_keys=True)
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def write_json_atomic(path: str, payload: dict) -> None:
+    write_text_atomic(path, json.dumps(payload, indent=1, sort_keys=True))
 
 
 def seal(meta: dict) -> dict:
@@ -97,15 +101,21 @@ def publish_dir(tmp_dir: str, final_dir: str) -> None:
 
 
 # -- reading -------------------------------------------------------------------------------------
-def resolve(load_dir: str, tag: str | None) -> str | None:
-    """The checkpoint directory for ``tag`` (None: what ``latest`` names); None if there is no
-    ``latest`` yet. Raises if load_dir does not exist or the tag is missing."""
+def resolve(load_dir: str, tag: str | None, missing_ok: bool = False) -> str | None:
+    """The checkpoint directory for ``tag`` (None: what ``latest`` names). With ``missing_ok``,
+    None where nothing was saved yet (no directory, or no ``latest`` in it); otherwise that, a
+    missing directory or a missing tag raise."""
     if not os.path.isdir(load_dir):
+        if missing_ok and tag is None:
+            return None
         raise CheckpointError(f"checkpoint directory {load_dir} does not exist")
     if tag is None:
         latest = os.path.join(load_dir, LATEST)
         if not os.path.exists(latest):
-            return None
+            if missing_ok:
+                return None
+            raise CheckpointError(f"{latest} does not exist: no checkpoint was completed there "
+                                  "(name one with tag=, or pass missing_ok=True to start fresh)")
         with open(latest) as f:
             tag = f.read().strip()
         if not tag:

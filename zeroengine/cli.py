@@ -20,9 +20,6 @@ def _consolidate(args) -> int:
         path = args.checkpoint_dir  # given the checkpoint itself rather than its save_dir
     else:
         path = fmt.resolve(args.checkpoint_dir, args.tag)
-    if path is None:
-        raise fmt.CheckpointError(f"{os.path.join(args.checkpoint_dir, fmt.LATEST)} does not "
-                                  "exist; name the checkpoint with --tag")
     state = fmt.consolidated_state_dict(path)
     os.makedirs(args.out, exist_ok=True)
     # safetensors refuses tensors sharing memory; every name gets its own contiguous copy
