@@ -36,6 +36,9 @@ setup(
         "test": ["pytest", "hypothesis", "psutil"],
         "bench": ["psutil", "deepspeed"],
         "train": ["tqdm", "matplotlib"],  # zeroengine train: progress bar and the loss plot
+        "tensorboard": ["tensorboard"],  # zeroengine train also writes TensorBoard scalars
+        "ray": ["ray[train]"],  # zeroengine.integrations.ray
+        "hf": ["transformers"],  # Hugging Face models (tests/test_hf.py)
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from zeroengine.launch_env import first_slurm_host, read_launch_env
+from zeroengine.launch_env import (first_slurm_host, pytorchjob_procs_per_pod,
+                                   pytorchjob_torchrun_args, read_launch_env)
 
 
 def test_torchrun_and_pytorchjob():
@@ -56,3 +57,36 @@ def test_nothing_set_is_a_single_process():
 def test_non_integer_is_named():
     with pytest.raises(ValueError, match="WORLD_SIZE='two'"):
         read_launch_env({"RANK": "0", "WORLD_SIZE": "two"})
+
+
+KUBEFLOW_POD = {"RANK": "1", "WORLD_SIZE": "8", "MASTER_ADDR": "job-master-0",
+                "MASTER_PORT": "23456", "PET_NPROC_PER_NODE": "4", "PET_NNODES": "2",
+                "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "job-master-0",
+                "PET_MASTER_PORT": "23456"}
+
+
+def test_pytorchjob_pod_with_several_processes_is_not_taken_as_one_rank():
+    """Kubeflow sets RANK to the pod index when a pod runs several processes: read as a rank it
+    would give two processes rank 1. Refused, naming the fix."""
+    with pytest.raises(ValueError, match="RANK=1 is the pod's index.*torchrun"):
+        read_launch_env(KUBEFLOW_POD)
+
+
+def test_pytorchjob_pod_torchrun_arguments():
+    assert pytorchjob_procs_per_pod(KUBEFLOW_POD) == 4
+    assert pytorchjob_torchrun_args(KUBEFLOW_POD) == [
+        "--nnodes=2", "--node_rank=1", "--nproc_per_node=4", "--master_addr=job-master-0",
+        "--master_port=23456"]
+
+
+def test_pytorchjob_worker_under_torchrun_reads_torchruns_rank():
+    """Once torchrun has started the pod's processes, RANK is the global rank again."""
+    worker = {**KUBEFLOW_POD, "RANK": "6", "LOCAL_RANK": "2", "TORCHELASTIC_RUN_ID": "x"}
+    assert pytorchjob_procs_per_pod(worker) is None
+    env = read_launch_env(worker)
+    assert (env.launcher, env.rank, env.world_size, env.local_rank) == ("torchrun", 6, 8, 2)
+
+
+def test_pytorchjob_one_process_per_pod_uses_rank_as_is():
+    env = read_launch_env({**KUBEFLOW_POD, "PET_NPROC_PER_NODE": "1", "WORLD_SIZE": "2"})
+    assert (env.rank, env.world_size, env.master_addr) == (1, 2, "job-master-0")

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TINY = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1,
@@ -48,3 +50,21 @@ def test_train_runs_evaluates_checkpoints_and_resumes(tmp_path):
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert (run / "checkpoints" / "latest").read_text() == "global_step6"
+
+
+def test_metrics_go_to_jsonl_and_tensorboard(tmp_path):
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed (CI installs it)")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from zeroengine.train_job import MetricsWriter
+    writer = MetricsWriter(tmp_path, resume=False)
+    for step in (1, 2):
+        writer.write({"step": step, "loss": 3.0 / step, "model_state_mb_per_rank": [1.5, 2.5],
+                      **({"val_loss": 2.0} if step == 2 else {})})
+    writer.close()
+    assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [1, 2]
+    board = EventAccumulator(str(tmp_path / "tensorboard"))
+    board.Reload()
+    assert [(e.step, e.value) for e in board.Scalars("loss")] == [(1, 3.0), (2, 1.5)]
+    assert [(e.step, e.value) for e in board.Scalars("val_loss")] == [(2, 2.0)]
+    assert [e.value for e in board.Scalars("model_state_mb_per_rank/rank1")] == [2.5, 2.5]

@@ -13,6 +13,7 @@ are then all-gathered as after an optimizer step.
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -103,8 +104,13 @@ def _set_rng_state(state: dict) -> None:
 
 # -- save ------------------------------------------------------------------------------------------
 def save_checkpoint(engine, save_dir: str, tag: str | None = None,
-                    client_state: dict | None = None) -> str:
-    """Collective: write this engine's checkpoint as ``<save_dir>/<tag>``; returns its path."""
+                    client_state: dict | None = None, node_local: bool = False) -> str:
+    """Collective: write this engine's checkpoint as ``<save_dir>/<tag>``; returns its path.
+
+    ``node_local``: ``save_dir`` is this rank's own directory, not one shared by all ranks (Ray
+    Train, which uploads every worker's directory into one checkpoint). Each rank then makes and
+    publishes its own directory; rank 0's also gets the metadata and ``latest``, so the union of
+    all ranks' directories is the checkpoint."""
     from safetensors.torch import save_file
     comm = engine.comm
     tag = tag or f"global_step{engine.global_steps}"
@@ -112,7 +118,7 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None,
         raise CheckpointError(f"checkpoint tag {tag!r} is not a plain directory name")
     final = os.path.join(save_dir, tag)
     tmp = final + ".tmp"
-    if comm.rank == 0:
+    if comm.rank == 0 or node_local:
         os.makedirs(save_dir, exist_ok=True)
         if os.path.exists(tmp):  # left by a save that died
             shutil.rmtree(tmp)
@@ -160,6 +166,9 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None,
         fmt.fsync_dir(tmp)
         fmt.publish_dir(tmp, final)
         fmt.write_text_atomic(os.path.join(save_dir, fmt.LATEST), tag)
+    elif node_local:
+        fmt.fsync_dir(tmp)
+        fmt.publish_dir(tmp, final)
     comm.barrier()
     return final
 
@@ -206,8 +215,17 @@ def _meta(engine, names, groups_meta, files, tag) -> dict:
                       "param_groups": [_jsonable({k: v for k, v in g.items() if k != "params"})
                                        for g in opt.param_groups]},
         "groups": groups_meta, "index": index, "state_dict_keys": state_dict_keys,
-        "files": files,
+        "files": files, "hf_config": _hf_config(engine.module),
     }
+
+
+def _hf_config(module) -> dict | None:
+    """A Hugging Face model's config as plain JSON, so that ``zeroengine consolidate`` can
+    write a directory ``from_pretrained`` loads; None for any other module."""
+    config = getattr(module, "config", None)
+    if config is None or not callable(getattr(config, "to_json_string", None)):
+        return None
+    return json.loads(config.to_json_string())
 
 
 # -- load ------------------------------------------------------------------------------------------

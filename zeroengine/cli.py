@@ -27,6 +27,10 @@ def _consolidate(args) -> int:
     target = os.path.join(args.out, "model.safetensors")
     save_file(state, target, metadata={"format": "pt"})
     written = [target]
+    hf_config = fmt.read_meta(path).get("hf_config")
+    if hf_config is not None:  # saved from a transformers model: make the directory loadable
+        fmt.write_json_atomic(os.path.join(args.out, "config.json"), hf_config)
+        written.append(os.path.join(args.out, "config.json"))
     if args.pt:
         import torch
         torch.save(state, os.path.join(args.out, "pytorch_model.pt"))
@@ -95,14 +99,22 @@ def _train(args) -> int:
         (["--resume"] if args.resume else []) + \
         (["--steps", str(args.steps)] if args.steps else []) + \
         (["--run-name", args.run_name] if args.run_name else [])
+    from .launch_env import pytorchjob_procs_per_pod, pytorchjob_torchrun_args
     launched = any(k in os.environ for k in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"))
-    if args.nproc and not launched:
+    torchrun_args = None
+    if pytorchjob_procs_per_pod(os.environ) is not None:
+        # A multi-process PyTorchJob pod: its RANK is the pod index, torchrun makes the ranks.
+        torchrun_args = pytorchjob_torchrun_args(os.environ)
+    elif args.nproc and not launched:
+        torchrun_args = ["--standalone", f"--nproc_per_node={args.nproc}"]
+    if torchrun_args is not None:
         # Launch the ranks here, through torchrun's own module (restarts, signals, exit codes).
         import subprocess
         env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={args.nproc}", "-m", "zeroengine.train_job", *worker_args]
+        if args.nproc:
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
+        cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args,
+               "-m", "zeroengine.train_job", *worker_args]
         return subprocess.call(cmd, env=env)
     from .train_job import main as worker  # under a launcher already: just join
     return worker(worker_args)

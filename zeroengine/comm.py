@@ -35,9 +35,16 @@ def init_distributed(timeout_s: float | None = None) -> LaunchEnv:
     ``init_process_group`` first). With no launcher variables at all this is a single process and
     no group is created: every collective is then a local no-op.
     """
-    env = read_launch_env(os.environ)
     if dist.is_available() and dist.is_initialized():
-        return env
+        # The group's own rank and size are the truth here; the environment may describe a
+        # launcher the group was not built from (Ray's workers, a notebook).
+        local = os.environ.get("LOCAL_RANK", "0")
+        return LaunchEnv("existing", dist.get_rank(), dist.get_world_size(),
+                         int(local) if local.isdigit() else 0,
+                         os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                         int(port) if (port := os.environ.get("MASTER_PORT", "")).isdigit()
+                         else 0)
+    env = read_launch_env(os.environ)
     if env.launcher == "none":
         return env
     backend = default_backend()

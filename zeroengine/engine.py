@@ -275,11 +275,13 @@ class ZeroEngine:
 
     # -- checkpoints (checkpoint.py) ------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None,
-                        client_state: dict | None = None) -> str:
+                        client_state: dict | None = None, node_local: bool = False) -> str:
         """Collective: each rank writes its own shards of ``<save_dir>/<tag>`` (default tag
-        ``global_step<N>``), atomically; ``latest`` then names it. Returns the path."""
+        ``global_step<N>``), atomically; ``latest`` then names it. Returns the path.
+        ``node_local=True``: each rank's ``save_dir`` is its own (not shared); the checkpoint
+        is the union of the ranks' directories, as Ray Train assembles it."""
         from .checkpoint import save_checkpoint
-        return save_checkpoint(self, save_dir, tag, client_state)
+        return save_checkpoint(self, save_dir, tag, client_state, node_local)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, **options):
         """Collective: restore from ``<load_dir>/<tag>`` (None: the latest), whatever world

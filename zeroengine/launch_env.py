@@ -4,6 +4,11 @@ torch.distributed here, so it is tested with plain dicts).
 Recognised, in this order: torchrun / Kubernetes PyTorchJob (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR, MASTER_PORT), SLURM (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_JOB_NODELIST),
 OpenMPI (OMPI_COMM_WORLD_*). Nothing set means a single process.
+
+A PyTorchJob pod that runs several processes (``nprocPerNode`` > 1) sets ``RANK`` to the *pod*
+index and ``PET_NPROC_PER_NODE``/``PET_NNODES``/``PET_NODE_RANK`` for torchrun to read: a process
+started there without torchrun would take the pod index for its rank, so that case is refused and
+``pytorchjob_torchrun_args`` gives the torchrun arguments instead.
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ DEFAULT_PORT = 29500
 
 @dataclass(frozen=True)
 class LaunchEnv:
-    launcher: str  # "torchrun", "slurm", "mpi" or "none"
+    launcher: str  # "torchrun", "slurm", "mpi", "none", or "existing" (a group already built)
     rank: int
     world_size: int
     local_rank: int
@@ -44,7 +49,45 @@ def _int(env: Mapping[str, str], key: str) -> int:
         raise ValueError(f"environment variable {key}={env[key]!r} is not an integer") from None
 
 
+def _under_torchrun(env: Mapping[str, str]) -> bool:
+    # torchrun's agent sets these for every worker; a pod's own environment never has them.
+    return "TORCHELASTIC_RUN_ID" in env or "LOCAL_RANK" in env
+
+
+def pytorchjob_procs_per_pod(env: Mapping[str, str]) -> int | None:
+    """Processes per pod a Kubernetes PyTorchJob asked for, when it asked for several and this
+    process is the pod's own (not yet a torchrun worker); None otherwise."""
+    value = env.get("PET_NPROC_PER_NODE")
+    if value is None or _under_torchrun(env):
+        return None
+    if value == "auto":
+        return -1  # torchrun resolves "auto" from the devices it sees
+    n = _int(env, "PET_NPROC_PER_NODE")
+    return n if n > 1 else None
+
+
+def pytorchjob_torchrun_args(env: Mapping[str, str]) -> list[str]:
+    """torchrun arguments that start this pod's share of a multi-process PyTorchJob."""
+    nproc = env["PET_NPROC_PER_NODE"]
+    addr = env.get("PET_MASTER_ADDR", env.get("MASTER_ADDR"))
+    port = env.get("PET_MASTER_PORT", env.get("MASTER_PORT", str(DEFAULT_PORT)))
+    if addr is None:
+        raise ValueError("PyTorchJob pod without PET_MASTER_ADDR or MASTER_ADDR: cannot find "
+                         "the master pod")
+    nnodes = env.get("PET_NNODES", env.get("WORLD_SIZE", "1"))
+    node_rank = env.get("PET_NODE_RANK", env.get("RANK", "0"))
+    return [f"--nnodes={nnodes}", f"--node_rank={node_rank}", f"--nproc_per_node={nproc}",
+            f"--master_addr={addr}", f"--master_port={port}"]
+
+
 def read_launch_env(env: Mapping[str, str]) -> LaunchEnv:
+    procs = pytorchjob_procs_per_pod(env)
+    if procs is not None:
+        raise ValueError(
+            f"this Kubernetes PyTorchJob runs {env['PET_NPROC_PER_NODE']} processes per pod, so "
+            f"RANK={env.get('RANK', '?')} is the pod's index, not this process's rank: start "
+            "the container with torchrun (it reads the PET_* variables), or with "
+            "`zeroengine train CONFIG`, which does that itself")
     if "RANK" in env and "WORLD_SIZE" in env:
         restart = env.get("TORCHELASTIC_RESTART_COUNT")
         use_agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"

@@ -4,7 +4,8 @@ validation by file.
 
 Runs on every rank of whatever launched it (torchrun, SLURM, MPI, PyTorchJob, or one process).
 Rank 0 shows progress and writes runs/<run_name>/metrics.jsonl (one JSON object per step; eval
-rows carry "val_loss"), checkpoints go to runs/<run_name>/checkpoints, and at the end a PNG plot
+rows carry "val_loss"; TensorBoard scalars too when tensorboard is installed), checkpoints go to
+runs/<run_name>/checkpoints, and at the end a PNG plot
 (when matplotlib is installed) and a generated sample. Other ranks print only warnings; every
 rank logs to runs/<run_name>/logs/rank<N>.log.
 """
@@ -122,6 +123,43 @@ def sample(engine, model, prompt: bytes, length: int, context: int, seed: int) -
     return bytes(tokens[0].tolist()).decode("utf-8", errors="replace")
 
 
+class MetricsWriter:
+    """Rank 0's metrics: one JSON object per step in metrics.jsonl and, when the tensorboard
+    package is installed, the same numbers as TensorBoard scalars under <run>/tensorboard."""
+
+    def __init__(self, run_dir: Path, resume: bool):
+        self.path = run_dir / "metrics.jsonl"
+        if not resume and self.path.exists():
+            self.path.unlink()
+        self.file = open(self.path, "a")
+        self.board = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # torch's writer needs the tensorboard package
+            log.info("tensorboard is not installed: metrics go to %s only", self.path)
+        else:
+            self.board = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def write(self, row: dict) -> None:
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        if self.board is None:
+            return
+        for key, value in row.items():
+            if key == "step":
+                continue
+            if isinstance(value, list):  # one value per rank
+                for rank, v in enumerate(value):
+                    self.board.add_scalar(f"{key}/rank{rank}", v, row["step"])
+            elif isinstance(value, (int, float)):
+                self.board.add_scalar(key, value, row["step"])
+
+    def close(self) -> None:
+        self.file.close()
+        if self.board is not None:
+            self.board.close()
+
+
 def run(config_path: str, resume: bool = False, steps: int | None = None,
         run_name: str | None = None, runs_dir: str = "runs") -> dict:
     cfg = zeroengine.parse_config(config_path)
@@ -153,10 +191,7 @@ def run(config_path: str, resume: bool = False, steps: int | None = None,
              num_params(model) / 1e6,
              engine.stage, str(engine.precision.compute).replace("torch.", ""), world, micro,
              gpt.context, accumulation, len(train) / 1e6, len(val) / 1e6)
-    metrics_path = run_dir / "metrics.jsonl"
-    if rank == 0 and not resume and metrics_path.exists():
-        metrics_path.unlink()
-    metrics = open(metrics_path, "a") if rank == 0 else None
+    metrics = MetricsWriter(run_dir, resume) if rank == 0 else None
     progress = Progress(rank, engine.global_steps, job.steps, cfg.steps_per_print)
     tokens_per_step = micro * gpt.context * accumulation * world
     last = {}
@@ -185,8 +220,7 @@ def run(config_path: str, resume: bool = False, steps: int | None = None,
                 row["val_loss"] = round(evaluate(engine, model, val, job.eval_batches, micro,
                                                  gpt.context, job.seed + 17), 5)
             if metrics is not None:
-                metrics.write(json.dumps(row) + "\n")
-                metrics.flush()
+                metrics.write(row)
             progress.update(engine.global_steps, {
                 "loss": f"{total:.3f}", "tok/s": f"{row['tokens_per_s']:.0f}",
                 "scale": f"{engine.loss_scale:g}",
@@ -203,9 +237,9 @@ def run(config_path: str, resume: bool = False, steps: int | None = None,
             metrics.close()
     text = sample(engine, model, b"def ", 160, gpt.context, job.seed)
     if rank == 0:
-        plot = write_plot(metrics_path, run_dir / "loss.png")
+        plot = write_plot(metrics.path, run_dir / "loss.png")
         log.info("final: loss %s, validation loss %s; metrics %s%s", last.get("loss"),
-                 last.get("val_loss"), metrics_path, f", plot {plot}" if plot else "")
+                 last.get("val_loss"), metrics.path, f", plot {plot}" if plot else "")
         log.info("sample:\n%s", text)
     engine.close()
     return last
