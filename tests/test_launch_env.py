@@ -90,3 +90,15 @@ def test_pytorchjob_worker_under_torchrun_reads_torchruns_rank():
 def test_pytorchjob_one_process_per_pod_uses_rank_as_is():
     env = read_launch_env({**KUBEFLOW_POD, "PET_NPROC_PER_NODE": "1", "WORLD_SIZE": "2"})
     assert (env.rank, env.world_size, env.master_addr) == (1, 2, "job-master-0")
+
+
+def test_interface_towards_a_host():
+    """Loopback and unresolvable hosts name no interface; a routable one names the interface
+    that carries this machine's address on that route."""
+    from zeroengine.netif import interface_towards, ipv4_of
+    assert interface_towards("127.0.0.1") is None and interface_towards("no-such-host.invalid") \
+        is None
+    assert ipv4_of("lo") == "127.0.0.1"
+    name = interface_towards("10.255.255.1")
+    if name is not None:  # a machine with no route at all has no answer, which is correct
+        assert ipv4_of(name) not in (None, "127.0.0.1")

@@ -50,6 +50,12 @@ def init_distributed(timeout_s: float | None = None) -> LaunchEnv:
     backend = default_backend()
     if backend == "nccl":
         torch.cuda.set_device(env.local_rank)
+    elif "GLOO_SOCKET_IFNAME" not in os.environ:
+        from .netif import interface_towards
+        interface = interface_towards(env.master_addr)
+        if interface is not None:
+            # else gloo binds what the hostname resolves to, which peers may not reach
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
     kwargs = {}
     if timeout_s is not None:
         kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
