@@ -59,6 +59,7 @@ def init_distributed(timeout_s: float | None = None) -> LaunchEnv:
     kwargs = {}
     if timeout_s is not None:
         kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+    _destroy_group_at_exit()
     if env.restart_count is not None:
         # After a torchrun restart, a group built from env:// reuses the old rendezvous keys and
         # gloo dials dead workers (pytorch issues 135712, 167288). A per-restart key prefix on
@@ -74,6 +75,18 @@ def init_distributed(timeout_s: float | None = None) -> LaunchEnv:
         dist.init_process_group(backend, init_method="env://", rank=env.rank,
                                 world_size=env.world_size, **kwargs)
     return env
+
+
+def _destroy_group_at_exit() -> None:
+    """The group we build, we take down at interpreter exit: a gloo group left to the C++
+    static destructors can abort the process ("terminate called without an active exception")
+    after the job itself succeeded, which a launcher then reports as a failed rank."""
+    import atexit
+
+    def destroy():
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    atexit.register(destroy)
 
 
 class Handle:

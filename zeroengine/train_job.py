@@ -237,7 +237,8 @@ def run(config_path: str, resume: bool = False, steps: int | None = None,
             metrics.close()
     text = sample(engine, model, b"def ", 160, gpt.context, job.seed)
     if rank == 0:
-        plot = write_plot(metrics.path, run_dir / "loss.png")
+        plot = write_plot(metrics.path, run_dir / "loss.png",
+                          unsharded_mb=_unsharded_mb(cfg, engine, num_params(model)))
         log.info("final: loss %s, validation loss %s; metrics %s%s", last.get("loss"),
                  last.get("val_loss"), metrics.path, f", plot {plot}" if plot else "")
         log.info("sample:\n%s", text)
@@ -245,8 +246,22 @@ def run(config_path: str, resume: bool = False, steps: int | None = None,
     return last
 
 
-def write_plot(metrics_path: Path, out: Path) -> Path | None:
-    """Train/validation loss and model-state memory per rank, as a PNG (needs matplotlib)."""
+def _unsharded_mb(cfg, engine, params: int) -> float | None:
+    """What each rank would hold without sharding (stage 0, the ZeRO formula), for the plot."""
+    from zeroengine.estimate import model_state_bytes, states_per_param
+    try:
+        states = states_per_param(cfg.optimizer.type if cfg.optimizer else "adamw")
+    except ValueError:  # an optimizer the formulas do not know
+        return None
+    precision = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[
+        engine.precision.compute]
+    return model_state_bytes(params, 0, engine.comm.world_size, precision,
+                             states).device_total / 2**20
+
+
+def write_plot(metrics_path: Path, out: Path, unsharded_mb: float | None = None) -> Path | None:
+    """Train/validation loss and model-state memory per rank (beside what plain data parallel
+    would hold), as a PNG (needs matplotlib)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -263,7 +278,11 @@ def write_plot(metrics_path: Path, out: Path) -> Path | None:
     ax1.legend()
     for rank in range(len(rows[-1]["model_state_mb_per_rank"])):
         ax2.plot([r["step"] for r in rows], [r["model_state_mb_per_rank"][rank] for r in rows],
-                 label=f"rank {rank}")
+                 "-" if rank == 0 else "--", label=f"rank {rank}")
+    if unsharded_mb is not None:
+        ax2.axhline(unsharded_mb, color="gray", linestyle=":",
+                    label=f"unsharded (DDP): {unsharded_mb:.0f} MB")
+    ax2.set_ylim(bottom=0)
     ax2.set(xlabel="step", ylabel="MB", title="model states per rank")
     ax2.legend()
     fig.tight_layout()
