@@ -10,11 +10,12 @@ from zeroengine.local_ranks import run_ranks
 N = 7  # elements per rank's chunk
 
 
-def collectives(force_fallback: bool):
+def collectives(mode: str):
     from zeroengine.comm import Comm, init_distributed
     init_distributed()
     comm = Comm()
-    if force_fallback:
+    comm._p2p_reduce_scatter = mode == "p2p"
+    if mode == "fallback":
         comm._reduce_scatter = None
         comm._all_gather = None
         comm._avg_ok = False
@@ -22,6 +23,9 @@ def collectives(force_fallback: bool):
     source = torch.arange(w * N, dtype=torch.float32) * (r + 1)
     rs = torch.empty(N)
     comm.reduce_scatter(rs, source, "avg", async_op=True).wait()
+    in_place = source.clone()  # stage 1: the output is this rank's own chunk of the input
+    comm.reduce_scatter(in_place[r * N:(r + 1) * N], in_place, "sum")
+    assert torch.allclose(in_place[r * N:(r + 1) * N], rs * w)
     ar = source.clone()
     comm.all_reduce(ar, "avg", async_op=True).wait()
     full = torch.zeros(w * N)
@@ -30,10 +34,13 @@ def collectives(force_fallback: bool):
     return rs, ar, full, comm.report()
 
 
-@pytest.mark.parametrize("fallback", [False, True], ids=["native", "fallback"])
-def test_collectives_native_and_fallback(fallback):
+@pytest.mark.parametrize("mode", ["native", "p2p", "fallback"])
+def test_collectives_native_and_fallback(mode):
+    """native: torch's reduce-scatter; p2p: ours from sends and receives (what gloo gets);
+    fallback: through all-reduce, for torch without a reduce-scatter."""
     world = 3
-    results = run_ranks(world, collectives, fallback)
+    fallback = mode == "fallback"
+    results = run_ranks(world, collectives, mode)
     mean_factor = sum(range(1, world + 1)) / world
     expected_ar = torch.arange(world * N, dtype=torch.float32) * mean_factor
     for rank, (rs, ar, full, report) in enumerate(results):
@@ -42,7 +49,7 @@ def test_collectives_native_and_fallback(fallback):
         assert torch.equal(full, torch.arange(world).float().repeat_interleave(N) + 0.5)
         nbytes = world * N * 4
         assert report["all_gather"]["sent_bytes"] == nbytes * (world - 1) // world
-        assert report["all_reduce"]["calls"] == (2 if fallback else 1)
+        assert report["all_reduce"]["calls"] == (3 if fallback else 1)  # + 2 reduce-scatters
 
 
 def test_single_process_collectives_are_local():

@@ -93,16 +93,18 @@ class Handle:
     """An in-flight collective; ``wait()`` blocks until its result is usable."""
 
     def __init__(self, work=None, after: Callable[[], None] | None = None):
-        self._work, self._after = work, after
+        # one torch Work, or several (a collective built from point-to-point messages)
+        self._works = [] if work is None else list(work) if isinstance(work, list) else [work]
+        self._after = after
 
     def done(self) -> bool:
-        """True once wait() would not block."""
-        return self._work is None or self._work.is_completed()
+        """True once wait() would not block (but for the fix-up ``after`` runs)."""
+        return all(w.is_completed() for w in self._works)
 
     def wait(self) -> None:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
+        for work in self._works:
+            work.wait()
+        self._works = []
         if self._after is not None:
             after, self._after = self._after, None
             after()
@@ -129,6 +131,11 @@ class Comm:
         self._all_gather = _pick("all_gather_single", "all_gather_into_tensor")
         self._reduce_scatter = _pick("reduce_scatter_single", "reduce_scatter_tensor")
         self._avg_ok = True  # gloo before torch 2.6 or so rejects ReduceOp.AVG
+        # gloo's reduce-scatter is an all-reduce underneath: each rank sends the whole input
+        # ((N-1)/N of it twice over), not the (N-1)/N a reduce-scatter needs. Sending each rank
+        # its chunk directly halves the bytes (measured on loopback, 2 ranks: 1.00x -> 0.50x).
+        self._p2p_reduce_scatter = self.backend == "gloo"
+        self._p2p_tag = 0
 
     # -- accounting -------------------------------------------------------------------------
     def _count(self, kind: str, nbytes: int, factor: float) -> None:
@@ -175,6 +182,11 @@ class Comm:
             return Handle()
         if not via_all_reduce:
             self._count("reduce_scatter", input.numel() * input.element_size(), 1.0)
+        if self._p2p_reduce_scatter and op in ("sum", "avg") and not via_all_reduce:
+            handle = self._reduce_scatter_p2p(output, input, op)
+            if not async_op:
+                handle.wait()
+            return handle
         reduce_op = op if (op != "avg" or self._avg_ok) else "sum"
         if self._reduce_scatter is not None and not via_all_reduce:
             try:
@@ -195,7 +207,45 @@ class Comm:
         def take_chunk():
             handle.wait()
             output.copy_(scratch[self.rank * n:(self.rank + 1) * n])
-        return Handle(None, take_chunk)
+        result = Handle(None, take_chunk)
+        if not async_op:  # a synchronous call returns with the output written
+            result.wait()
+        return result
+
+    def _reduce_scatter_p2p(self, output: torch.Tensor, input: torch.Tensor, op: str) -> Handle:
+        """Reduce-scatter as N-1 sends of the other ranks' chunks and N-1 receives of ours; the
+        sum is taken in rank order, on every rank the same. Always asynchronous underneath (the
+        messages progress in gloo's threads); ``wait`` adds. ``output`` may alias our chunk."""
+        n, me, world = output.numel(), self.rank, self.world_size
+        chunks = input.view(-1).split(n)
+        mine = chunks[me]
+        received = {r: torch.empty_like(output) for r in range(world) if r != me}
+        self._p2p_tag = (self._p2p_tag + 1) % (1 << 24)
+        tag = self._p2p_tag
+        works = []
+        for step in range(1, world):  # staggered so that no rank is everyone's first peer
+            to, frm = (me + step) % world, (me - step) % world
+            works.append(dist.isend(chunks[to], self._global(to), group=self.group, tag=tag))
+            works.append(dist.irecv(received[frm], self._global(frm), group=self.group,
+                                    tag=tag))
+
+        def add():
+            if me == 0:
+                acc = output
+                if output.data_ptr() != mine.data_ptr():
+                    output.copy_(mine)
+            else:
+                acc = received[0]
+            for r in range(1, world):
+                acc.add_(mine if r == me else received[r])
+            if acc is not output:
+                output.copy_(acc)
+            if op == "avg":
+                output.div_(world)
+        return Handle(works, add)
+
+    def _global(self, group_rank: int) -> int:
+        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor,
                    async_op: bool = False) -> Handle:
