@@ -8,7 +8,7 @@ TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed-$(subst =,_,$(TORCH))
 SOURCES := setup.py $(wildcard csrc/*/*.cpp)
 
-.PHONY: setup test demo bench docs clean
+.PHONY: setup test demo bench compare docs clean
 
 $(STAMP): $(SOURCES)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -30,6 +30,12 @@ demo: setup
 
 bench: setup
 	$(PY) benchmarks/step_bench.py
+
+# Side by side with DeepSpeed (the `bench` extra, torch pinned in the same command), FSDP2,
+# ZeroRedundancyOptimizer and DDP; ~30 minutes on 2 cores.
+compare: setup
+	$(PY) -m pip install -q $(TORCH) deepspeed
+	DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 $(PY) benchmarks/compare.py --json bench_out/compare.json
 
 docs: setup
 	$(PY) -c "from zeroengine.config import reference_markdown as r; print(r(), end=\"\")" > docs/config.md

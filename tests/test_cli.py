@@ -116,3 +116,49 @@ def test_estimate_matches_what_the_engine_holds():
         for key, estimate in pairs:
             assert report[key] == pytest.approx(estimate, rel=0.05, abs=1024), \
                 (stage, precision, offload, key, report[key], estimate)
+
+
+# -- the scale model ------------------------------------------------------------------------------
+def test_scale_model_memory_is_the_formula_plus_buffers_and_comm_is_the_papers_volume():
+    from zeroengine.scale_model import Hardware, Job, predict
+    P, N = 7e9, 64
+    for stage, volume in [(0, 2), (1, 2), (2, 2), (3, 3)]:
+        pred = predict(Job(P, stage, N, reduce_bucket_size=10**8, prefetch_bucket_size=10**8))
+        formula = model_state_bytes(P, stage, N, "bf16", 2).device_total
+        assert pred.model_states == formula and 0 < pred.buffers < 0.05 * formula + 2 * 10**9
+        assert pred.comm_bytes == pytest.approx(volume * 2 * P * (N - 1) / N)
+    # one rank: nothing to communicate; offload moves the optimizer to the host
+    alone = predict(Job(P, 0, 1))
+    assert alone.comm_bytes == 0 and alone.exposed_comm_s == 0
+    off = predict(Job(P, 3, N, offload_optimizer=True), Hardware())
+    assert off.host > 0 and off.model_states < predict(Job(P, 3, N)).model_states
+
+
+def test_scale_model_hides_communication_behind_enough_compute():
+    from zeroengine.scale_model import Hardware, Job, predict
+    hw = Hardware(flops=1e15, bandwidth=1e11, latency=0.0)
+    many_tokens = predict(Job(1e9, 3, 8, tokens_per_rank=10**6), hw)
+    few_tokens = predict(Job(1e9, 3, 8, tokens_per_rank=10), hw)
+    assert many_tokens.exposed_comm_s < 0.05 * many_tokens.comm_s
+    assert few_tokens.exposed_comm_s > 0.5 * few_tokens.comm_s
+    assert few_tokens.step_s < many_tokens.step_s
+
+
+def test_recommend_picks_the_least_sharding_that_fits():
+    from zeroengine.scale_model import Hardware, recommend
+    roomy = Hardware(device_memory=10**15)
+    job, pred = recommend(1e9, 8, roomy)
+    assert job.stage == 0 and pred.fits(roomy)
+    tight = Hardware(device_memory=40 * 2**30)
+    job, pred = recommend(70e9, 64, tight)
+    assert job.stage == 3 and pred.fits(tight)
+    job, _ = recommend(70e9, 8, tight)  # 16 bytes x 8.75e9 per rank: only offload fits
+    assert job is not None and job.offload_optimizer
+    assert recommend(1e12, 1, tight) == (None, None)
+
+
+def test_estimate_recommend_prints_a_row_per_world_size(capsys):
+    assert main(["estimate", "--params", "70e9", "--recommend", "--world", "64", "1024"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith(("| 64 ", "| 1024 "))]
+    assert len(rows) == 4 and all("| 3 |" in row for row in rows[2:]), out

@@ -91,7 +91,45 @@ def _estimate(args) -> int:
         print(f"| {world} | {e.params / gib:.3f} | {e.grads / gib:.3f} | "
               f"{e.optimizer_states / gib:.3f} | {e.device_total / gib:.3f} | "
               f"{e.host_total / gib:.3f} |")
+    if args.recommend or args.time:
+        _predict_steps(args, params, stage, precision, states, offload_optimizer, offload_param)
     return 0
+
+
+def _predict_steps(args, params, stage, precision, states, offload_optimizer,
+                   offload_param) -> None:
+    """Step time (and, with --recommend, the stage and offload to use) per world size."""
+    from .scale_model import Hardware, Job, predict, recommend
+    hw = Hardware(flops=args.flops, bandwidth=args.bandwidth, latency=args.latency,
+                  device_memory=args.device_memory * 2**30)
+    common = dict(precision=precision, states=states, tokens_per_rank=args.tokens,
+                  activation_bytes=args.activation_gib * 2**30,
+                  reduce_bucket_size=int(args.bucket_size),
+                  prefetch_bucket_size=int(args.bucket_size))
+    gib = 2**30
+    print(f"\nPredicted step ({args.tokens} tokens/rank/step, {hw.flops / 1e12:.0f} TFLOP/s, "
+          f"{hw.bandwidth / 1e9:.0f} GB/s and {hw.latency * 1e6:.0f} us per ring step, buckets "
+          f"of {args.bucket_size:.0e} elements, "
+          f"{args.device_memory:.0f} GiB/device with {args.activation_gib:.0f} GiB for "
+          f"activations){': fastest setting that fits' if args.recommend else ''}\n")
+    print("| world size | stage | offload opt/param | device GiB (states + buffers) | host GiB "
+          "| sent/rank/step GiB | compute s | exposed comm s | optimizer s | step s | fits |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for world in args.world:
+        if args.recommend:
+            job, pred = recommend(params, world, hw, **common)
+            if job is None:
+                print(f"| {world} | - | - | nothing fits | | | | | | | no |")
+                continue
+        else:
+            job = Job(params, stage, world, offload_optimizer=offload_optimizer,
+                      offload_param=offload_param, **common)
+            pred = predict(job, hw)
+        print(f"| {world} | {job.stage} | {'yes' if job.offload_optimizer else 'no'}/"
+              f"{'yes' if job.offload_param else 'no'} | {pred.model_states / gib:.1f} + "
+              f"{pred.buffers / gib:.1f} | {pred.host / gib:.1f} | {pred.comm_bytes / gib:.1f} | "
+              f"{pred.compute_s:.2f} | {pred.exposed_comm_s:.2f} | {pred.optimizer_s:.2f} | "
+              f"{pred.step_s:.2f} | {'yes' if pred.fits(hw, job.activation_bytes) else 'no'} |")
 
 
 def _train(args) -> int:
@@ -159,6 +197,20 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--optimizer", default="adamw")
     e.add_argument("--offload-optimizer", action="store_true")
     e.add_argument("--offload-param", action="store_true")
+    e.add_argument("--time", action="store_true", help="also predict the step time "
+                   "(zeroengine.scale_model: compute, ring collectives, overlap)")
+    e.add_argument("--recommend", action="store_true", help="per world size, the fastest "
+                   "stage/offload whose memory fits --device-memory, and its step time")
+    e.add_argument("--tokens", type=int, default=8 * 4096, help="tokens per rank per step")
+    e.add_argument("--flops", type=float, default=400e12, help="achieved FLOP/s per rank")
+    e.add_argument("--bandwidth", type=float, default=45e9, help="collective bytes/s per rank")
+    e.add_argument("--latency", type=float, default=5e-6, help="seconds per ring step")
+    e.add_argument("--bucket-size", type=float, default=5e8, help="elements per gradient "
+                   "bucket and per stage-3 prefetch (reduce_bucket_size, "
+                   "stage3_prefetch_bucket_size; at this scale set them large)")
+    e.add_argument("--device-memory", type=float, default=80, help="GiB per device")
+    e.add_argument("--activation-gib", type=float, default=0.0, help="GiB per device kept "
+                   "for activations")
     e.set_defaults(run=_estimate)
     return parser
 
