@@ -241,3 +241,30 @@ def inplace_outputs():
 
 def test_inplace_ops_on_module_outputs():
     assert max(run_ranks(2, inplace_outputs)) < 1e-6
+
+
+def _tied_gpt_gather_bytes():
+    import zeroengine
+    from zeroengine.examples.gpt import GPT, GPTConfig
+    zeroengine.init_distributed()
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+              "zero_optimization": {"stage": 3, "reduce_bucket_size": 20_000,
+                                    "stage3_param_persistence_threshold": 0}}
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(context=16, layers=3, heads=2, dim=32))  # head tied to embedding
+    engine = zeroengine.initialize(model, config)
+    for step in range(3):  # the first step records the order; later ones prefetch along it
+        engine.comm_report()
+        w = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(step))
+        engine.backward(model.loss(w[:, :-1], w[:, 1:]))
+        engine.step()
+    full = sum(fg.layout.numel for fg in engine.flat_groups) * 4
+    return engine.comm_report()["all_gather"]["sent_bytes"], full
+
+
+def test_prefetch_gathers_each_segment_once_per_pass_with_a_tied_head():
+    """The head reuses the first segment at the end of forward; prefetch used to restart from
+    that segment's position and gather the whole model a third time per step."""
+    sent, full = run_ranks(2, _tied_gpt_gather_bytes)[0]
+    one_gather = full / 2  # ring all-gather at 2 ranks sends half the tensor
+    assert 2 * one_gather <= sent <= 2.3 * one_gather, sent / one_gather

@@ -89,6 +89,10 @@ class ParamFetcher:
         self._orders: dict[str, list[Key]] = {"forward": [], "backward": []}
         self._positions: dict[str, dict[Key, int]] = {"forward": {}, "backward": {}}
         self._phase = "forward"
+        # Furthest position of the current pass, per phase: a module late in the pass that uses
+        # an early segment (a head tied to the embedding) must not restart the prefetch from
+        # there, which gathered the whole model a second time.
+        self._reached = {"forward": -1, "backward": -1}
         self.gathers = 0  # all-gathers issued (for tests and reports)
         self.passes = 0  # backward passes ended
         self.prefetch_hits = 0
@@ -109,6 +113,7 @@ class ParamFetcher:
                     t.register_hook(lambda grad, keys=keys: self.gather_for_backward(keys))
 
     def _after_root_forward(self, module, args, output):
+        self._reached["forward"] = -1
         if not torch.is_grad_enabled():  # no backward follows: drop unused prefetches now
             self.release_unheld()
 
@@ -205,6 +210,7 @@ class ParamFetcher:
         for entry in self.gathered.values():
             entry.refs = 0
         self.release_unheld()
+        self._reached = {"forward": -1, "backward": -1}
         self.passes += 1
         self._phase = "forward"
         if self._recording is not None and self._recording["backward"].keys:
@@ -237,6 +243,8 @@ class ParamFetcher:
         position = max((positions.get(k, -1) for k in keys), default=-1)
         if position < 0:
             return
+        position = max(position, self._reached[self._phase])
+        self._reached[self._phase] = position
         budget = self.prefetch_numel
         live = self.gathered_numel()
         for key in order[position + 1:]:
