@@ -118,6 +118,16 @@ def held_bytes(*roots) -> int:
 
 
 # -- building each variant -----------------------------------------------------------------------
+def _engine_step(model, engine):
+    """One step through engine.backward / engine.step (ours and DeepSpeed's share the verbs)."""
+    def step(tokens, targets):
+        loss = model.loss(tokens, targets)
+        engine.backward(loss)
+        engine.step()
+        return loss
+    return step
+
+
 def build(variant: str, precision: str, cfg: GPTConfig, micro: int):
     """(train_step(tokens, targets) -> loss, roots holding the model states, model)."""
     bf16 = precision == "bf16"
@@ -134,13 +144,7 @@ def build(variant: str, precision: str, cfg: GPTConfig, micro: int):
         with zeroengine.zero_init(config):  # stage 3: built sharded (else a no-op)
             model = GPT(cfg)
         engine = zeroengine.initialize(model, config)
-
-        def step(tokens, targets):
-            loss = model.loss(tokens, targets)
-            engine.backward(loss)
-            engine.step()
-            return loss
-        return step, [engine], model
+        return _engine_step(model, engine), [engine], model
 
     torch.manual_seed(0)
     model = GPT(cfg)
@@ -161,13 +165,7 @@ def build(variant: str, precision: str, cfg: GPTConfig, micro: int):
                   "steps_per_print": 10**9, "wall_clock_breakdown": False}
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                           config=config)
-
-        def step(tokens, targets):
-            loss = model.loss(tokens, targets)
-            engine.backward(loss)
-            engine.step()
-            return loss
-        return step, [engine], model
+        return _engine_step(model, engine), [engine], model
 
     if variant.startswith("fsdp2"):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
