@@ -111,7 +111,7 @@ def _predict_steps(args, params, stage, precision, states, offload_optimizer,
           f"{hw.bandwidth / 1e9:.0f} GB/s and {hw.latency * 1e6:.0f} us per ring step, buckets "
           f"of {args.bucket_size:.0e} elements, "
           f"{args.device_memory:.0f} GiB/device with {args.activation_gib:.0f} GiB for "
-          f"activations){': fastest setting that fits' if args.recommend else ''}\n")
+          f"activations){': recommended setting' if args.recommend else ''}\n")
     print("| world size | stage | offload opt/param | device GiB (states + buffers) | host GiB "
           "| sent/rank/step GiB | compute s | exposed comm s | optimizer s | step s | fits |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -199,8 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--offload-param", action="store_true")
     e.add_argument("--time", action="store_true", help="also predict the step time "
                    "(zeroengine.scale_model: compute, ring collectives, overlap)")
-    e.add_argument("--recommend", action="store_true", help="per world size, the fastest "
-                   "stage/offload whose memory fits --device-memory, and its step time")
+    e.add_argument("--recommend", action="store_true", help="per world size, the least "
+                   "sharded stage/offload whose memory fits --device-memory and whose step is "
+                   "within 5%% of the fastest that fits, and its step time")
     e.add_argument("--tokens", type=int, default=8 * 4096, help="tokens per rank per step")
     e.add_argument("--flops", type=float, default=400e12, help="achieved FLOP/s per rank")
     e.add_argument("--bandwidth", type=float, default=45e9, help="collective bytes/s per rank")
