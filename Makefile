@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 # preinstalled, e.g. `make test TORCH=` to keep it.
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed-$(subst =,_,$(TORCH))
-SOURCES := setup.py $(wildcard csrc/*/*.cpp)
+SOURCES := setup.py $(wildcard csrc/*/*.cpp csrc/*/*.cu csrc/*/*.cuh)
 
 .PHONY: setup test demo bench compare docs clean
 

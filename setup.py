@@ -1,28 +1,70 @@
 """zeroengine: ZeRO-style sharded training for any nn.Module and elementwise torch optimizer.
 
-The C++ extensions are built ahead of time here (never JIT-compiled inside initialize()). Build
-with `pip install -e . --no-build-isolation` so the installed torch is used, not a fresh download.
-Set ZEROENGINE_NO_EXT=1 to skip them; the package then runs on its PyTorch fallbacks.
+The C++ extensions are built ahead of time here. Build with `pip install -e .
+--no-build-isolation` so the installed torch is used, not a fresh download. The CUDA kernels
+(csrc/cuda) are built when torch has CUDA and nvcc is found; elsewhere they are skipped with a
+message, and a GPU run without them JIT-builds them on first use (zeroengine/ops/cuda_kernels.py).
+Set ZEROENGINE_NO_EXT=1 to skip every extension; the package then runs on its PyTorch fallbacks.
 """
+from __future__ import annotations
+
+import glob
 import os
 
 from setuptools import find_packages, setup
 
 ext_modules, cmdclass = [], {}
+
+
+def cuda_skip_reason(torch) -> str | None:
+    """Why the CUDA kernels (csrc/cuda) are not built here, or None to build them."""
+    from torch.utils.cpp_extension import CUDA_HOME
+    if os.environ.get("ZEROENGINE_NO_CUDA") == "1":
+        return "ZEROENGINE_NO_CUDA=1"
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU build"
+    if CUDA_HOME is None:
+        return "nvcc was not found (set CUDA_HOME)"
+    return None
+
+
+def cuda_extension(torch):
+    from torch.utils.cpp_extension import CUDAExtension
+    if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+        # No GPU to ask: build for A100 and H100/H200 rather than every architecture torch
+        # knows (several times the compile time). Override with TORCH_CUDA_ARCH_LIST.
+        os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
+    print(f"zeroengine: building the CUDA kernels for {os.environ.get('TORCH_CUDA_ARCH_LIST')}")
+    sources = sorted(glob.glob("csrc/cuda/*.cpp") + glob.glob("csrc/cuda/*.cu"))
+    # no --use_fast_math: its sqrt and division would leave torch's results by more than rounding
+    return CUDAExtension("zeroengine._cuda_ext", sources,
+                         extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "-lineinfo"]})
+
+
 if os.environ.get("ZEROENGINE_NO_EXT") != "1":
     try:
+        import torch
         from torch.utils.cpp_extension import BuildExtension, CppExtension
     except ImportError:
         print("zeroengine: torch is not importable at build time; skipping C++ extensions "
               "(install torch first and build with --no-build-isolation)")
     else:
-        for name, source, flags in [
-                ("_flatten_ext", "csrc/flatten/flatten.cpp", []),
-                # sqrt may only be vectorised when it need not set errno
-                ("_cpu_adam_ext", "csrc/adam/cpu_adam.cpp", ["-fno-math-errno"])]:
-            ext_modules.append(CppExtension(
-                f"zeroengine.{name}", [source],
-                extra_compile_args=["-O3", "-fopenmp", *flags], extra_link_args=["-fopenmp"]))
+        if os.environ.get("ZEROENGINE_CUDA_ONLY") != "1":  # .ci/compile_cuda builds only these
+            for name, source, flags in [
+                    ("_flatten_ext", "csrc/flatten/flatten.cpp", []),
+                    # sqrt may only be vectorised when it need not set errno
+                    ("_cpu_adam_ext", "csrc/adam/cpu_adam.cpp", ["-fno-math-errno"])]:
+                ext_modules.append(CppExtension(
+                    f"zeroengine.{name}", [source],
+                    extra_compile_args=["-O3", "-fopenmp", *flags],
+                    extra_link_args=["-fopenmp"]))
+        reason = cuda_skip_reason(torch)
+        if reason is None:
+            ext_modules.append(cuda_extension(torch))
+        else:
+            print(f"zeroengine: not building the CUDA kernels: {reason}. The package uses "
+                  "PyTorch ops on GPUs instead, or JIT-builds csrc/cuda on first use where nvcc "
+                  "is found at run time.")
         cmdclass["build_ext"] = BuildExtension.with_options(use_ninja=True)
 
 setup(

@@ -90,18 +90,25 @@ def _destroy_group_at_exit() -> None:
 
 
 class Handle:
-    """An in-flight collective; ``wait()`` blocks until its result is usable."""
+    """An in-flight collective; ``wait()`` makes its result usable: on CPU it blocks, on CUDA
+    it orders the current stream after the collective's event (the host does not block)."""
 
-    def __init__(self, work=None, after: Callable[[], None] | None = None):
+    def __init__(self, work=None, after: Callable[[], None] | None = None, event=None):
         # one torch Work, or several (a collective built from point-to-point messages)
         self._works = [] if work is None else list(work) if isinstance(work, list) else [work]
         self._after = after
+        self._event = event  # CUDA: recorded on the side stream once the collective is done
 
     def done(self) -> bool:
         """True once wait() would not block (but for the fix-up ``after`` runs)."""
+        if self._event is not None:
+            return self._event.query()
         return all(w.is_completed() for w in self._works)
 
     def wait(self) -> None:
+        if self._event is not None:
+            torch.cuda.current_stream(self._event.device).wait_event(self._event)
+            self._event = None
         for work in self._works:
             work.wait()
         self._works = []
@@ -136,6 +143,9 @@ class Comm:
         # its chunk directly halves the bytes (measured on loopback, 2 ranks: 1.00x -> 0.50x).
         self._p2p_reduce_scatter = self.backend == "gloo"
         self._p2p_tag = 0
+        # CUDA: asynchronous collectives are issued from side streams, one per kind ("reduce",
+        # "gather", "prefetch"), so that the compute stream only waits where a result is used.
+        self._streams: dict[tuple[str, int], torch.cuda.Stream] = {}
 
     # -- accounting -------------------------------------------------------------------------
     def _count(self, kind: str, nbytes: int, factor: float) -> None:
@@ -152,10 +162,47 @@ class Comm:
             self._bytes.clear()
         return out
 
+    # -- CUDA side streams --------------------------------------------------------------------
+    def on_side_stream(self, kind: str, tensors: list[torch.Tensor],
+                       launch: Callable[[], Handle]) -> Handle:
+        """Run ``launch`` (which issues an asynchronous collective on ``tensors``) from the side
+        stream of ``kind``, and return a handle whose wait orders the caller's stream after it.
+
+        The side stream first waits for the compute stream (the inputs were produced there),
+        then for the collective itself (NCCL runs it on its own internal stream), then records
+        the event ``wait``/``done`` use. ``record_stream`` keeps the caching allocator from
+        handing the buffers' memory to anyone until the side stream has passed that point: a
+        bucket freed right after ``wait`` cannot be overwritten while the collective still
+        reads or writes it. Off CUDA, just ``launch()``."""
+        if not tensors or not tensors[0].is_cuda:
+            return launch()
+        device = tensors[0].device
+        key = (kind, device.index)
+        stream = self._streams.get(key)
+        if stream is None:
+            stream = self._streams[key] = torch.cuda.Stream(device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            inner = launch()
+            for work in inner._works:
+                work.wait()  # NCCL: the side stream (not the host) waits for the collective
+            inner._works = []
+            for t in tensors:
+                t.record_stream(stream)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return Handle(None, inner._after, event)
+
     # -- collectives ------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Handle:
         if self.world_size == 1:
             return Handle()
+        if async_op and tensor.is_cuda:
+            return self.on_side_stream("reduce", [tensor],
+                                       lambda: self._all_reduce(tensor, op, True))
+        return self._all_reduce(tensor, op, async_op)
+
+    def _all_reduce(self, tensor: torch.Tensor, op: str, async_op: bool) -> Handle:
         self._count("all_reduce", tensor.numel() * tensor.element_size(), 2.0)
         if op == "avg" and not self._avg_ok:
             return self._sum_then_divide(tensor, async_op)
@@ -180,6 +227,12 @@ class Comm:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return Handle()
+        if async_op and input.is_cuda:
+            return self.on_side_stream("reduce", [output, input], lambda: self._reduce_scatter_any(
+                output, input, op, True, via_all_reduce))
+        return self._reduce_scatter_any(output, input, op, async_op, via_all_reduce)
+
+    def _reduce_scatter_any(self, output, input, op, async_op, via_all_reduce) -> Handle:
         if not via_all_reduce:
             self._count("reduce_scatter", input.numel() * input.element_size(), 1.0)
         if self._p2p_reduce_scatter and op in ("sum", "avg") and not via_all_reduce:
@@ -197,11 +250,11 @@ class Comm:
             except (RuntimeError, ValueError) as err:
                 if "AVG" in str(err) or "avg" in str(err).lower():
                     self._avg_ok = False
-                    return self.reduce_scatter(output, input, op, async_op)
+                    return self._reduce_scatter_any(output, input, op, async_op, False)
                 self._reduce_scatter = None  # backend lacks it: use the all-reduce fallback
         # Fallback (old gloo): all-reduce a copy, keep our chunk. Correct, twice the bytes.
         scratch = input.clone()
-        handle = self.all_reduce(scratch, op, async_op)
+        handle = self._all_reduce(scratch, op, async_op)
         n = output.numel()
 
         def take_chunk():
@@ -247,13 +300,22 @@ class Comm:
     def _global(self, group_rank: int) -> int:
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor,
-                   async_op: bool = False) -> Handle:
-        """output[r*n:(r+1)*n] <- input of rank r. ``input`` may alias its own slot in output."""
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
+                   stream: str = "gather") -> Handle:
+        """output[r*n:(r+1)*n] <- input of rank r. ``input`` may alias its own slot in output.
+        ``stream``: the CUDA side stream an asynchronous gather completes on (stage 3's
+        prefetches use "prefetch")."""
         if self.world_size == 1:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return Handle()
+        if async_op and output.is_cuda:
+            return self.on_side_stream(stream, [output, input],
+                                       lambda: self._all_gather_any(output, input, True))
+        return self._all_gather_any(output, input, async_op)
+
+    def _all_gather_any(self, output: torch.Tensor, input: torch.Tensor,
+                        async_op: bool) -> Handle:
         self._count("all_gather", output.numel() * output.element_size(), 1.0)
         if self._all_gather is not None:
             try:

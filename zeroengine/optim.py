@@ -21,8 +21,8 @@ import torch
 from .buckets import GradReducer
 from .comm import Comm, Handle
 from .offload import OptimizerOffload, device_wait
-from .ops import CPUAdam
-from .optim_factory import IMPLEMENTATION_KEYS, build_host_inner, build_inner
+from .ops import CPUAdam, FusedAdam
+from .optim_factory import IMPLEMENTATION_KEYS, build_device_inner, build_host_inner
 from .partition import FlatParamGroup
 from .precision import LossScaler
 
@@ -67,10 +67,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._inner_of_outer[fg.group_index].append(len(inner_groups))
             inner_groups.append({"params": list(fg.master_segments), **hyper})
         self.offload = offload
-        self.inner = build_inner(base, inner_groups) if offload is None else \
-            build_host_inner(base, inner_groups)
+        device = flat_groups[0].device if flat_groups else torch.device("cpu")
+        self.inner = build_device_inner(base, inner_groups, torch.device(device)) \
+            if offload is None else build_host_inner(base, inner_groups)
         # CPUAdam writes the bf16/fp16 copy of what it updates in the same pass
         self._copy_out = offload is not None and isinstance(self.inner, CPUAdam)
+        # FusedAdam (CUDA) also takes the gradient as it is (bf16, scaled) with the unscale /
+        # clip coefficient, so no fp32 copy or scaling pass precedes it
+        self._fused = offload is None and isinstance(self.inner, FusedAdam)
 
     def __repr__(self) -> str:
         return f"ShardedOptimizer({self.base_class.__name__}, rank {self.comm.rank} of " \
@@ -153,6 +157,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._sync_hyperparameters()
         in_flight: list[tuple[Handle, int]] = []
         for batch in self.sub_groups:
+            if self._fused:
+                self._fused_step(batch, grads, coef)
+                in_flight = self._publish(batch, set(batch), in_flight)
+                continue
             copy_out = {}  # master chunk -> tensor receiving its low-precision values
             for fi, s in batch:
                 master, grad = self.flat_groups[fi].master_segments[s], grads[fi][s]
@@ -172,22 +180,42 @@ class ShardedOptimizer(torch.optim.Optimizer):
             else:
                 self.inner.step()
             for fi, s in batch:
-                fg = self.flat_groups[fi]
-                fg.master_segments[s].grad = None
-                event = None
-                if self.offload is not None:
-                    event = self.offload.publish(fi, s, written=(fi, s) in copy_out)
-                else:
-                    fg.publish_master([s])
-                if fg.sharded and not fg.partitioned:  # stage 3 gathers on use instead
-                    device_wait(event)
-                    in_flight = self._all_gather_segment(fg, s, in_flight)
+                self.flat_groups[fi].master_segments[s].grad = None
+            in_flight = self._publish(batch, set(copy_out), in_flight)
         for handle, _ in in_flight:
             handle.wait()
         if self.after_step is not None:
             if self.offload is not None:
                 self.offload.finish_step()  # refreshed segments read the updated chunks
             self.after_step()
+
+    def _fused_step(self, batch, grads, coef: float) -> None:
+        """One FusedAdam launch over the batch: gradients as reduced (bf16/fp16/fp32), the
+        coefficient applied in the kernel, the compute-dtype chunk written in the same pass."""
+        masters, grad_of, lows = [], {}, {}
+        for fi, s in batch:
+            fg = self.flat_groups[fi]
+            master = fg.master_segments[s]
+            masters.append(master)
+            grad_of[master] = grads[fi][s]
+            if fg.master is not None:  # mixed precision: the model's bf16/fp16 chunk
+                lows[master] = fg.chunk(s)
+        self.inner.step(low_precision_copies=lows, grad_coef=coef, grads=grad_of)
+
+    def _publish(self, batch, written: set, in_flight: list[tuple[Handle, int]]):
+        """Make the updated chunks the model's values (unless the step wrote them already) and
+        start gathering them to every rank (stages 1-2)."""
+        for fi, s in batch:
+            fg = self.flat_groups[fi]
+            event = None
+            if self.offload is not None:
+                event = self.offload.publish(fi, s, written=(fi, s) in written)
+            elif (fi, s) not in written:
+                fg.publish_master([s])
+            if fg.sharded and not fg.partitioned:  # stage 3 gathers on use instead
+                device_wait(event)
+                in_flight = self._all_gather_segment(fg, s, in_flight)
+        return in_flight
 
     # Tells torch's LRScheduler that step() already records _opt_called, so it does not warn.
     step._wrapped_by_lr_sched = True

@@ -8,7 +8,7 @@ import inspect
 import torch
 
 from .config import AUTO, ConfigError, OptimizerConfig
-from .ops import CPUAdam
+from .ops import CPUAdam, FusedAdam, load_cuda_kernels
 
 # Updates that look at whole tensors (norms, factored second moments, line searches, sparse rows).
 NON_ELEMENTWISE = {
@@ -134,3 +134,17 @@ def build_host_inner(optimizer: torch.optim.Optimizer, groups: list[dict]) -> to
     d = optimizer.defaults
     return CPUAdam(groups, lr=d["lr"], betas=d["betas"], eps=d["eps"],
                    weight_decay=d["weight_decay"], adamw_mode=adamw)
+
+
+def build_device_inner(optimizer: torch.optim.Optimizer, groups: list[dict],
+                       device: torch.device) -> torch.optim.Optimizer:
+    """The optimizer of a step on the compute device: on CUDA, for torch's Adam/AdamW and where
+    the kernels of csrc/cuda load, FusedAdam (unscale, update, inf/NaN check and bf16/fp16
+    copy-out in one pass); else build_inner (torch's own fused kernel where it has one)."""
+    adamw = cpu_adam_mode(optimizer)
+    if device.type != "cuda" or adamw is None or optimizer.defaults.get("foreach") is not None \
+            or optimizer.defaults.get("fused") is False or load_cuda_kernels() is None:
+        return build_inner(optimizer, groups)
+    d = optimizer.defaults
+    return FusedAdam(groups, lr=d["lr"], betas=d["betas"], eps=d["eps"],
+                     weight_decay=d["weight_decay"], adamw_mode=adamw)

@@ -121,12 +121,15 @@ class ParamFetcher:
     def _segment_numel(self, key: Key) -> int:
         return self.groups[key[0]].layout.segments[key[1]].numel
 
-    def _start(self, key: Key) -> _Gathered:
+    def _start(self, key: Key, prefetch: bool = False) -> _Gathered:
         gi, s = key
         g = self.groups[gi]
         full = g.segment_full[s]
         full.untyped_storage().resize_(full.numel() * full.element_size())
-        entry = _Gathered(self.comm.all_gather(full, g.chunk_on_device(s), async_op=True))
+        # CUDA: prefetches complete on their own side stream, tracked apart from on-demand
+        # gathers (NCCL still runs the collectives of one communicator in issue order)
+        entry = _Gathered(self.comm.all_gather(full, g.chunk_on_device(s), async_op=True,
+                                               stream="prefetch" if prefetch else "gather"))
         self.gathered[key] = entry
         self.gathers += 1
         return entry
@@ -253,7 +256,7 @@ class ParamFetcher:
                 break
             budget -= numel
             if key not in self.gathered:
-                self._start(key)
+                self._start(key, prefetch=True)
                 live += numel
 
     def gathered_numel(self) -> int:

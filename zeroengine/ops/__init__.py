@@ -1,5 +1,8 @@
 """Python front of the C++/CUDA extensions in csrc/, each with a pure-PyTorch fallback."""
 from .cpu_adam import CPUAdam
+from .cuda_kernels import load_cuda_kernels
 from .flatten import flatten_into, unflatten_from, using_extension
+from .fused_adam import FusedAdam
 
-__all__ = ["CPUAdam", "flatten_into", "unflatten_from", "using_extension"]
+__all__ = ["CPUAdam", "FusedAdam", "load_cuda_kernels", "flatten_into", "unflatten_from",
+           "using_extension"]
