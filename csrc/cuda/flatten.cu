@@ -13,9 +13,8 @@ namespace {
 
 template <typename S, typename D>
 __global__ void __launch_bounds__(kThreads) copy_kernel(TensorTable<2> table) {
-  const int t = table.block_tensor[blockIdx.x];
-  const int64_t start = static_cast<int64_t>(table.block_chunk[blockIdx.x]) * kChunk;
-  const int64_t n = min(kChunk, table.numel[t] - start);
+  int64_t start, n;
+  const int t = locate(table, start, n);
   const S* __restrict__ src = static_cast<const S*>(table.addr[0][t]) + start;
   D* __restrict__ dst = static_cast<D*>(table.addr[1][t]) + start;
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) dst[i] = static_cast<D>(src[i]);
@@ -23,7 +22,7 @@ __global__ void __launch_bounds__(kThreads) copy_kernel(TensorTable<2> table) {
 
 template <typename S, typename D>
 void launch_copy(const std::vector<at::Tensor>& src, const std::vector<at::Tensor>& dst) {
-  auto stream = at::cuda::getCurrentCUDAStream();
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   multi_tensor_apply<2>({src, dst}, [&](const TensorTable<2>& table, int blocks) {
     copy_kernel<S, D><<<blocks, kThreads, 0, stream>>>(table);
     C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -30,9 +30,8 @@ struct AdamArgs {
 template <typename G, typename L, int Lists>
 __global__ void __launch_bounds__(kThreads)
 adam_kernel(TensorTable<Lists> table, AdamArgs a) {
-  const int t = table.block_tensor[blockIdx.x];
-  const int64_t start = static_cast<int64_t>(table.block_chunk[blockIdx.x]) * kChunk;
-  const int64_t n = min(kChunk, table.numel[t] - start);
+  int64_t start, n;
+  const int t = locate(table, start, n);
   float* __restrict__ p = static_cast<float*>(table.addr[0][t]) + start;
   const G* __restrict__ g = static_cast<const G*>(table.addr[1][t]) + start;
   float* __restrict__ m = static_cast<float*>(table.addr[2][t]) + start;
@@ -66,7 +65,7 @@ adam_kernel(TensorTable<Lists> table, AdamArgs a) {
 
 template <typename G, typename L, int Lists>
 void launch_adam(const std::vector<std::vector<at::Tensor>>& lists, const AdamArgs& args) {
-  auto stream = at::cuda::getCurrentCUDAStream();
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   multi_tensor_apply<Lists>(lists, [&](const TensorTable<Lists>& table, int blocks) {
     adam_kernel<G, L, Lists><<<blocks, kThreads, 0, stream>>>(table, args);
     C10_CUDA_KERNEL_LAUNCH_CHECK();

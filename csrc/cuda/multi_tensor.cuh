@@ -1,13 +1,16 @@
 // Multi-tensor launch: one kernel launch covers many tensors, each cut into fixed-size chunks,
-// one thread block per chunk. The host packs tensor addresses and a (tensor, chunk) table into
-// the kernel's argument block (no device-side table to allocate or copy), and launches again
-// whenever the table fills. A few hundred flat shards or a thousand small parameters become a
-// handful of launches instead of one per tensor per operation.
+// one thread block per chunk. The host packs tensor addresses and where each tensor's blocks
+// start into the kernel's argument block (no device-side table to allocate or copy), and
+// launches again every 36 tensors. A few hundred flat shards or a thousand small parameters
+// become a handful of launches instead of one per tensor per operation.
 #pragma once
 
-#include <ATen/cuda/CUDAContext.h>
+// c10's CUDA headers only: ATen/cuda/CUDAContext.h would pull in cuBLAS/cuSPARSE headers, which
+// a minimal CUDA toolkit (nvcc + runtime) does not ship.
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <torch/extension.h>
+#include <c10/cuda/CUDAStream.h>
+#include <ATen/ATen.h>
 
 #include <cstdint>
 #include <vector>
@@ -15,21 +18,34 @@
 namespace zeroengine {
 
 // Elements per block. Large enough that a block's loop amortises its setup, small enough that a
-// 100M-element shard still spreads over every SM.
+// 100M-element shard still spreads over every SM many times.
 constexpr int64_t kChunk = 65536;
 constexpr int kThreads = 512;
 
-// The argument block must stay under the 4 KB kernel-parameter limit of older toolchains:
-// 5 lists x 36 addresses (1440 B) + 36 sizes (288 B) + 256 x (1 + 4) B of block table.
+// The kernel's argument block (well under the 4 KB parameter limit): up to 36 whole tensors per
+// launch, and where each tensor's blocks start. There is no per-block table, so one launch may
+// have any number of blocks: a single 1B-element shard is one launch of ~15k blocks that fills
+// the GPU, rather than a series of launches capped by a table's size.
 template <int Lists>
 struct TensorTable {
   static constexpr int kMaxTensors = 36;
-  static constexpr int kMaxBlocks = 256;
   void* addr[Lists][kMaxTensors];
   int64_t numel[kMaxTensors];
-  unsigned char block_tensor[kMaxBlocks];
-  int block_chunk[kMaxBlocks];
+  int block_start[kMaxTensors + 1];  // blocks of tensor t: [block_start[t], block_start[t+1])
+  int tensors;
 };
+
+// This block's tensor, the first element of its chunk and the chunk's length.
+template <int Lists>
+__device__ __forceinline__ int locate(const TensorTable<Lists>& table, int64_t& start,
+                                      int64_t& n) {
+  const int block = static_cast<int>(blockIdx.x);
+  int t = 0;
+  while (t + 1 < table.tensors && block >= table.block_start[t + 1]) ++t;
+  start = static_cast<int64_t>(block - table.block_start[t]) * kChunk;
+  n = table.numel[t] - start < kChunk ? table.numel[t] - start : kChunk;
+  return t;
+}
 
 // Calls launch(table, blocks) as often as needed so that every element of every tensor is in
 // exactly one block. lists[l][t] is tensor t of list l; all lists have the same length and each
@@ -42,40 +58,28 @@ void multi_tensor_apply(const std::vector<std::vector<at::Tensor>>& lists, Launc
   for (const auto& l : lists)
     TORCH_CHECK(l.size() == n, "tensor lists differ in length: ", l.size(), " vs ", n);
   Table table;
-  int tensors = 0, blocks = 0;
+  table.tensors = 0;
+  table.block_start[0] = 0;
+  int64_t blocks = 0;
   for (size_t t = 0; t < n; ++t) {
     const int64_t numel = lists[0][t].numel();
     if (numel == 0) continue;
     for (int l = 0; l < Lists; ++l) {
       TORCH_CHECK(lists[l][t].numel() == numel, "tensor ", t, " of list ", l, " has ",
                   lists[l][t].numel(), " elements, list 0 has ", numel);
-      table.addr[l][tensors] = lists[l][t].data_ptr();
+      table.addr[l][table.tensors] = lists[l][t].data_ptr();
     }
-    table.numel[tensors] = numel;
-    const int64_t chunks = (numel + kChunk - 1) / kChunk;
-    for (int64_t c = 0; c < chunks; ++c) {
-      table.block_tensor[blocks] = static_cast<unsigned char>(tensors);
-      table.block_chunk[blocks] = static_cast<int>(c);
-      ++blocks;
-      const bool table_full = blocks == Table::kMaxBlocks;
-      const bool last_chunk = c == chunks - 1;
-      const bool tensors_full = last_chunk && tensors + 1 == Table::kMaxTensors;
-      if (table_full || tensors_full) {
-        launch(table, blocks);
-        blocks = 0;
-        if (last_chunk) {
-          tensors = -1;  // the next tensor starts a fresh table
-        } else {
-          // the rest of this tensor continues in the next launch, as its table's entry 0
-          for (int l = 0; l < Lists; ++l) table.addr[l][0] = table.addr[l][tensors];
-          table.numel[0] = table.numel[tensors];
-          tensors = 0;
-        }
-      }
+    table.numel[table.tensors] = numel;
+    blocks += (numel + kChunk - 1) / kChunk;
+    TORCH_CHECK(blocks < (int64_t{1} << 31), "tensor ", t, " is too large for one launch");
+    table.block_start[++table.tensors] = static_cast<int>(blocks);
+    if (table.tensors == Table::kMaxTensors) {
+      launch(table, static_cast<int>(blocks));
+      table.tensors = 0;
+      blocks = 0;
     }
-    ++tensors;
   }
-  if (blocks > 0) launch(table, blocks);
+  if (table.tensors > 0) launch(table, static_cast<int>(blocks));
 }
 
 }  // namespace zeroengine
