@@ -121,3 +121,44 @@ def test_engine_fused_step_matches_plain_pytorch():
             bound = 1e-5 if name == "fp32" else TOLERANCE
             assert deviation < bound, f"{name} stage {stage} rank {rank}: {deviation:.2e}"
             assert skipped == 0
+
+
+def resume_across_optimizers(root: str, stage: int):
+    """2 steps with the fused inner optimizer (what a GPU run has), checkpoint, then 2 more in
+    an engine with torch's AdamW inside (what a CPU run has): the state carries over."""
+    import zeroengine
+    import zeroengine.optim as engine_optim
+    from models import make_optimizer, param_groups, run_step
+    from test_precision import precision_config
+
+    def engine_with(inner_builder):
+        engine_optim.build_device_inner = inner_builder
+        model = make_model()
+        return zeroengine.initialize(model, precision_config("fp32", stage),
+                                     optimizer=make_optimizer("adamw", param_groups(model)))
+    original = engine_optim.build_device_inner
+    first = engine_with(lambda base, groups, device: FusedAdam(
+        groups, lr=base.defaults["lr"], betas=base.defaults["betas"], eps=base.defaults["eps"],
+        weight_decay=base.defaults["weight_decay"], use_cuda_kernels=False))
+    assert type(first.optimizer.inner).__name__ == "FusedAdam"
+    for step in range(2):
+        run_step(first, step, 2)
+    first.save_checkpoint(root)
+    first.close()
+    second = engine_with(original)
+    assert type(second.optimizer.inner).__name__ == "AdamW"
+    second.load_checkpoint(root)
+    for step in range(2, STEPS):
+        run_step(second, step, 2)
+    state = second.consolidated_state_dict()
+    second.close()
+    return state
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_checkpoint_moves_between_fused_and_torch_adam(tmp_path, stage):
+    results = run_ranks(2, resume_across_optimizers, str(tmp_path), stage)
+    reference = reference_train("adamw", 2, STEPS, 2, 1.0)
+    initial = {k: v.float() for k, v in make_model().state_dict().items()}
+    for state in results:
+        assert relative_deviation(state, reference, initial) < 1e-5

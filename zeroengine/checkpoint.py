@@ -230,7 +230,7 @@ def _hf_config(module) -> dict | None:
 
 # -- load ------------------------------------------------------------------------------------------
 # Optimizer classes whose per-element state means the same thing under both names.
-_SAME_STATE = {"AdamW": "Adam", "Adam": "Adam", "CPUAdam": "Adam"}
+_SAME_STATE = {"AdamW": "Adam", "Adam": "Adam", "CPUAdam": "Adam", "FusedAdam": "Adam"}
 
 
 def load_checkpoint(engine, load_dir: str, tag: str | None = None, *,
