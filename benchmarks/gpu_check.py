@@ -17,6 +17,9 @@
    fraction of the measured device-to-device copy bandwidth. Targets: >= 1.0x torch fused,
    >= 80% of copy bandwidth.
 Exits non-zero if a correctness check fails; timings are reported, never asserted.
+
+``--cpu-dry-run`` runs checks 2, 3 and 5 on the CPU through the PyTorch paths (no kernels, gloo):
+it proves the script itself before a GPU's limited minutes are spent on it.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 RESULTS: dict = {"checks": {}, "timings": []}
 FAILED: list[str] = []
+DEVICE = "cuda"  # "cpu" under --cpu-dry-run
 
 
 def check(name: str, ok: bool, detail: str = "") -> None:
@@ -67,16 +71,16 @@ SIZES = [1, 3, 7, 64, 65535, 65536, 65537, 100_003, 1_000_003] + [4097] * 40  # 
 
 def adam_case(ext, adamw: bool, grad_dtype, low_dtype, coef: float, steps: int = 5):
     from zeroengine.ops import FusedAdam
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
     hyper = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-    ref = [torch.nn.Parameter(torch.randn(n, device="cuda", generator=gen)) for n in SIZES]
+    ref = [torch.nn.Parameter(torch.randn(n, device=DEVICE, generator=gen)) for n in SIZES]
     ours = [torch.nn.Parameter(p.detach().clone()) for p in ref]
-    lows = {p: torch.empty(p.shape, dtype=low_dtype, device="cuda") for p in ours} \
+    lows = {p: torch.empty(p.shape, dtype=low_dtype, device=DEVICE) for p in ours} \
         if low_dtype is not None else {}
     ref_opt = (torch.optim.AdamW if adamw else torch.optim.Adam)(ref, foreach=False, **hyper)
-    opt = FusedAdam(ours, **hyper, adamw_mode=adamw, use_cuda_kernels=True)
+    opt = FusedAdam(ours, **hyper, adamw_mode=adamw, use_cuda_kernels=DEVICE == "cuda")
     for _ in range(steps):
-        grads = [torch.randn(n, device="cuda", generator=gen).to(grad_dtype) for n in SIZES]
+        grads = [torch.randn(n, device=DEVICE, generator=gen).to(grad_dtype) for n in SIZES]
         for p, g in zip(ref, grads):
             p.grad = g.float()
         ref_opt.step()
@@ -104,11 +108,11 @@ def check_fused_adam(ext) -> None:
     check("fused AdamW fp16 grads x1024 unscaled", err <= 1e-6, f"max rel err {err:.2e}")
     # non-finite: those elements untouched, the rest updated, the flag set
     from zeroengine.ops import FusedAdam
-    p = torch.nn.Parameter(torch.linspace(-1, 1, 300_000, device="cuda"))
+    p = torch.nn.Parameter(torch.linspace(-1, 1, 300_000, device=DEVICE))
     before = p.detach().clone()
     g = torch.ones_like(p)
     g[5], g[200_000] = float("inf"), float("nan")
-    opt = FusedAdam([p], lr=0.1, use_cuda_kernels=True)
+    opt = FusedAdam([p], lr=0.1, use_cuda_kernels=DEVICE == "cuda")
     opt.step(grads={p: g})
     untouched = p[5].item() == before[5].item() and p[200_000].item() == before[200_000].item()
     moved = bool((p.detach() != before).sum().item() == p.numel() - 2)
@@ -119,15 +123,15 @@ def check_fused_adam(ext) -> None:
 # -- 3. flatten ----------------------------------------------------------------------------------
 def check_flatten(ext) -> None:
     from zeroengine.ops import flatten_into, unflatten_from
-    gen = torch.Generator(device="cuda").manual_seed(1)
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
     shapes = [(3, 5), (70_000,), (1,), (128, 129)] + [(17,)] * 50
-    tensors = [torch.randn(s, device="cuda", generator=gen) for s in shapes]
+    tensors = [torch.randn(s, device=DEVICE, generator=gen) for s in shapes]
     offsets, pos = [], 0
     for t in tensors:
         offsets.append(pos)
         pos += t.numel() + 3  # gaps: padding must stay untouched
     for dtype in (torch.float32, torch.bfloat16):
-        flat = torch.full((pos,), 7.0, device="cuda", dtype=dtype)
+        flat = torch.full((pos,), 7.0, device=DEVICE, dtype=dtype)
         expected = flat.clone()
         for t, off in zip(tensors, offsets):
             expected[off:off + t.numel()].copy_(t.reshape(-1))
@@ -143,7 +147,7 @@ def check_flatten(ext) -> None:
 def check_streams() -> None:
     from zeroengine.comm import Comm, Handle
     comm = Comm()
-    a = torch.randn(8192, 8192, device="cuda")
+    a = torch.randn(8192, 8192, device=DEVICE)
     for trial in range(3):
         produced = a @ a  # long-running on the compute stream
         target = torch.empty_like(produced)
@@ -167,7 +171,7 @@ def train_case(stage: int, bf16: bool, offload: bool, steps: int = 4) -> float:
     cfg = GPTConfig(context=64, layers=2, heads=4, dim=128)
     hyper = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
     torch.manual_seed(0)
-    ref = GPT(cfg).cuda()
+    ref = GPT(cfg).to(DEVICE)
     ref_opt = torch.optim.AdamW(ref.parameters(), **hyper)
     torch.manual_seed(0)
     model = GPT(cfg)
@@ -181,7 +185,7 @@ def train_case(stage: int, bf16: bool, offload: bool, steps: int = 4) -> float:
     gen = torch.Generator().manual_seed(5)
     initial = {k: v.detach().float().clone() for k, v in ref.state_dict().items()}
     for _ in range(steps):
-        window = torch.randint(0, cfg.vocab, (4, cfg.context + 1), generator=gen).cuda()
+        window = torch.randint(0, cfg.vocab, (4, cfg.context + 1), generator=gen).to(DEVICE)
         loss = ref.loss(window[:, :-1], window[:, 1:])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
@@ -192,7 +196,7 @@ def train_case(stage: int, bf16: bool, offload: bool, steps: int = 4) -> float:
     ours = engine.consolidated_state_dict()
     num = den = 0.0
     for k, v in ref.state_dict().items():
-        num += (ours[k].float().cuda() - v.float()).double().pow(2).sum().item()
+        num += (ours[k].float().to(DEVICE) - v.float()).double().pow(2).sum().item()
         den += (v.float() - initial[k]).double().pow(2).sum().item()
     engine.close()
     return (num / den) ** 0.5
@@ -233,7 +237,7 @@ def timed(fn, repeats: int) -> float:
 
 def copy_bandwidth() -> float:
     """Bytes per second of a large device-to-device copy (read + write counted)."""
-    src = torch.empty(1 << 28, device="cuda")  # 1 GiB
+    src = torch.empty(1 << 28, device=DEVICE)  # 1 GiB
     dst = torch.empty_like(src)
     t = timed(lambda: dst.copy_(src), 20)
     return 2 * src.numel() * 4 / t
@@ -243,10 +247,10 @@ def time_adam(numel: int, pieces: int, low: bool, bandwidth: float, repeats: int
     from zeroengine.ops import FusedAdam
     hyper = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
     sizes = [numel // pieces] * pieces
-    ps = [torch.nn.Parameter(torch.randn(n, device="cuda")) for n in sizes]
+    ps = [torch.nn.Parameter(torch.randn(n, device=DEVICE)) for n in sizes]
     for p in ps:
         p.grad = torch.randn_like(p)
-    lows = {p: torch.empty(p.shape, dtype=torch.bfloat16, device="cuda") for p in ps} if low else {}
+    lows = {p: torch.empty(p.shape, dtype=torch.bfloat16, device=DEVICE) for p in ps} if low else {}
     torch_opt = torch.optim.AdamW(ps, fused=True, **hyper)
 
     def torch_step():
@@ -254,7 +258,7 @@ def time_adam(numel: int, pieces: int, low: bool, bandwidth: float, repeats: int
         if low:  # torch has no copy-out: a separate pass, as an engine on it must do
             torch._foreach_copy_(list(lows.values()), ps)
     t_torch = timed(torch_step, repeats)
-    ours = FusedAdam(ps, **hyper, use_cuda_kernels=True)
+    ours = FusedAdam(ps, **hyper, use_cuda_kernels=DEVICE == "cuda")
     t_ours = timed(lambda: ours.step(low_precision_copies=lows), repeats)
     moved = numel * (28 + (2 if low else 0))  # read p g m v, write p m v (+ the bf16 copy)
     row = {"params": numel, "tensors": pieces, "bf16_copy_out": low, "ours_ms": t_ours * 1e3,
@@ -273,7 +277,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="100M only, fewer repeats")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--cpu-dry-run", action="store_true")
     args = ap.parse_args()
+    if args.cpu_dry_run:
+        global DEVICE
+        DEVICE = "cpu"
+        for name, fn in [("fused adam", lambda: check_fused_adam(None)),
+                         ("flatten", lambda: check_flatten(None)), ("training", check_training)]:
+            fn()
+        print(f"dry run: {len(RESULTS['checks']) - len(FAILED)} of {len(RESULTS['checks'])} "
+              "checks passed")
+        sys.exit(1 if FAILED else 0)
     if not torch.cuda.is_available():
         sys.exit("gpu_check: no CUDA device here; run it on a GPU machine")
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, "
