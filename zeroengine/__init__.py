@@ -14,7 +14,8 @@ import torch
 import torch.nn as nn
 
 from .comm import Comm, init_distributed
-from .config import Config, ConfigError, parse_config, resolve_auto
+from .config import Config, ConfigError, parse_config, resolve_auto, to_dict
+from .consistency import RankMismatchError, check_rank_consistency
 from .engine import ZeroEngine
 from .optim_factory import check_elementwise, optimizer_from_config
 from .schedulers import scheduler_from_config
@@ -23,7 +24,7 @@ from .zero_init import zero_init
 
 __version__ = "0.1.0"
 __all__ = ["initialize", "init_distributed", "gathered_parameters", "zero_init", "ZeroEngine",
-           "ConfigError", "Config", "parse_config", "__version__"]
+           "ConfigError", "Config", "parse_config", "RankMismatchError", "__version__"]
 
 
 def _device(local_rank: int) -> torch.device:
@@ -81,8 +82,12 @@ def initialize(model: nn.Module, config, optimizer: torch.optim.Optimizer | None
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("the model has no trainable parameters (requires_grad=True); nothing "
                          "to train")
-    env = init_distributed()
-    comm = Comm()
+    config_as_built = to_dict(cfg)  # before 'auto' values are resolved from the world size
+    env = init_distributed(timeout_s=cfg.collective_timeout_s)
+    comm = Comm(timeout_s=cfg.collective_timeout_s if env.launcher != "existing" else None)
+    device = _device(env.local_rank)
+    # the first collective: ranks that built different things stop here, all with the reason
+    check_rank_consistency(model, config_as_built, __version__, comm, device)
     first = next(model.parameters())
     resolve_auto(cfg, comm.world_size, str(first.dtype).replace("torch.", ""))
     if cfg.zero_optimization.stage != 3 and any(hasattr(p, "_ze_slice")
@@ -90,7 +95,6 @@ def initialize(model: nn.Module, config, optimizer: torch.optim.Optimizer | None
         warnings.warn("the model was built under zero_init but the config's stage is "
                       f"{cfg.zero_optimization.stage}: its parameters are made whole again",
                       stacklevel=2)
-    device = _device(env.local_rank)
     model.to(device)
     optimizer = _prepare_optimizer(model, cfg, optimizer)
     if lr_scheduler is None:

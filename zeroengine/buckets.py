@@ -225,8 +225,10 @@ class GradReducer:
                 self._zero_unwritten(b)
             source = b.staging
         after = None
+        what = f"gradient bucket {b.segment} of param group {g.group_index} " \
+            f"({seg.numel} elements)"
         if self.stage == 0:
-            b.handle = self.comm.all_reduce(source, "avg", async_op=True)
+            b.handle = self.comm.all_reduce(source, "avg", async_op=True, what=what)
             if source is not grads:
                 after = lambda: grads.copy_(source)  # noqa: E731
         else:
@@ -234,7 +236,8 @@ class GradReducer:
             accumulate = self._owned_valid[gi] and self.owned[gi] is not None
             out = torch.empty_like(owned) if accumulate else owned
             b.handle = self.comm.reduce_scatter(out, source, "avg", async_op=True,
-                                                via_all_reduce=not self.use_reduce_scatter)
+                                                via_all_reduce=not self.use_reduce_scatter,
+                                                what=what)
             if accumulate:
                 after = lambda: owned.add_(out)  # noqa: E731
         b.finish = after

@@ -89,6 +89,17 @@ def _destroy_group_at_exit() -> None:
     atexit.register(destroy)
 
 
+class CollectiveError(RuntimeError):
+    """A collective that could not complete: it timed out waiting for another rank, or a peer
+    went away. The message names the operation, what it carried and the step."""
+
+
+# How torch/gloo word a collective that waited too long or lost its peer.
+_TIMEOUT_MARKS = ("timed out", "timeout")
+_PEER_MARKS = ("connection closed by peer", "connection reset", "broken pipe",
+               "connection refused")
+
+
 class Handle:
     """An in-flight collective; ``wait()`` makes its result usable: on CPU it blocks, on CUDA
     it orders the current stream after the collective's event (the host does not block)."""
@@ -98,6 +109,7 @@ class Handle:
         self._works = [] if work is None else list(work) if isinstance(work, list) else [work]
         self._after = after
         self._event = event  # CUDA: recorded on the side stream once the collective is done
+        self.context: tuple | None = None  # (comm, op, what, step) for error messages
 
     def done(self) -> bool:
         """True once wait() would not block (but for the fix-up ``after`` runs)."""
@@ -109,8 +121,14 @@ class Handle:
         if self._event is not None:
             torch.cuda.current_stream(self._event.device).wait_event(self._event)
             self._event = None
-        for work in self._works:
-            work.wait()
+        try:
+            for work in self._works:
+                work.wait()
+        except RuntimeError as err:
+            explained = self.context[0].explain(err, *self.context[1:]) if self.context else None
+            if explained is None:
+                raise
+            raise explained from err
         self._works = []
         if self._after is not None:
             after, self._after = self._after, None
@@ -128,8 +146,10 @@ def _pick(*names: str):
 class Comm:
     """Collectives over one process group (the default group unless told otherwise)."""
 
-    def __init__(self, group=None):
+    def __init__(self, group=None, timeout_s: float | None = None):
         self.group = group
+        self.timeout_s = timeout_s  # for messages: the group's own timeout when we built it
+        self.step = 1  # the optimizer step under way, for messages (ShardedOptimizer sets it)
         self.active = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(group) if self.active else 0
         self.world_size = dist.get_world_size(group) if self.active else 1
@@ -146,6 +166,37 @@ class Comm:
         # CUDA: asynchronous collectives are issued from side streams, one per kind ("reduce",
         # "gather", "prefetch"), so that the compute stream only waits where a result is used.
         self._streams: dict[tuple[str, int], torch.cuda.Stream] = {}
+
+    # -- failures -----------------------------------------------------------------------------
+    def explain(self, err: Exception, op: str, what: str, step: int) -> CollectiveError | None:
+        """A CollectiveError saying which collective failed and the likely why, or None when
+        ``err`` is not a timeout or a lost peer."""
+        text = str(err).lower()
+        where = f"{op} of {what}" if what else op
+        waited = f" after {self.timeout_s:g} s" if self.timeout_s else ""
+        if any(mark in text for mark in _TIMEOUT_MARKS):
+            why = (f"timed out{waited} waiting for the other ranks: a rank stopped calling "
+                   "collectives (it crashed, hangs, or skipped a forward/backward/step the "
+                   "others ran). The timeout is the config's collective_timeout_s")
+        elif any(mark in text for mark in _PEER_MARKS):
+            why = "a peer rank exited or lost its connection"
+        else:
+            return None
+        return CollectiveError(f"rank {self.rank}: {where} at step {step} failed: {why}. "
+                               f"({type(err).__name__}: {str(err).splitlines()[0][:300]})")
+
+    def _guarded(self, op: str, what: str, issue: Callable[[], Handle]) -> Handle:
+        """Issue a collective, turning a timeout into a CollectiveError (here or at wait())."""
+        step = self.step
+        try:
+            handle = issue()
+        except RuntimeError as err:
+            explained = self.explain(err, op, what, step)
+            if explained is None:
+                raise
+            raise explained from err
+        handle.context = (self, op, what, step)
+        return handle
 
     # -- accounting -------------------------------------------------------------------------
     def _count(self, kind: str, nbytes: int, factor: float) -> None:
@@ -194,13 +245,16 @@ class Comm:
         return Handle(None, inner._after, event)
 
     # -- collectives ------------------------------------------------------------------------
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Handle:
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False,
+                   what: str = "") -> Handle:
+        """``what``: what the tensor holds, for error messages (as for every collective)."""
         if self.world_size == 1:
             return Handle()
         if async_op and tensor.is_cuda:
-            return self.on_side_stream("reduce", [tensor],
-                                       lambda: self._all_reduce(tensor, op, True))
-        return self._all_reduce(tensor, op, async_op)
+            return self._guarded("all_reduce", what, lambda: self.on_side_stream(
+                "reduce", [tensor], lambda: self._all_reduce(tensor, op, True)))
+        return self._guarded("all_reduce", what,
+                             lambda: self._all_reduce(tensor, op, async_op))
 
     def _all_reduce(self, tensor: torch.Tensor, op: str, async_op: bool) -> Handle:
         self._count("all_reduce", tensor.numel() * tensor.element_size(), 2.0)
@@ -220,7 +274,8 @@ class Comm:
         return Handle(work, lambda: tensor.div_(self.world_size))
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "avg",
-                       async_op: bool = False, via_all_reduce: bool = False) -> Handle:
+                       async_op: bool = False, via_all_reduce: bool = False,
+                       what: str = "") -> Handle:
         """output (numel n) <- op over ranks of input[rank*n:(rank+1)*n]. ``via_all_reduce``
         forces the all-reduce fallback (DeepSpeed's reduce_scatter=false)."""
         if self.world_size == 1:
@@ -228,9 +283,11 @@ class Comm:
                 output.copy_(input)
             return Handle()
         if async_op and input.is_cuda:
-            return self.on_side_stream("reduce", [output, input], lambda: self._reduce_scatter_any(
-                output, input, op, True, via_all_reduce))
-        return self._reduce_scatter_any(output, input, op, async_op, via_all_reduce)
+            return self._guarded("reduce_scatter", what, lambda: self.on_side_stream(
+                "reduce", [output, input],
+                lambda: self._reduce_scatter_any(output, input, op, True, via_all_reduce)))
+        return self._guarded("reduce_scatter", what, lambda: self._reduce_scatter_any(
+            output, input, op, async_op, via_all_reduce))
 
     def _reduce_scatter_any(self, output, input, op, async_op, via_all_reduce) -> Handle:
         if not via_all_reduce:
@@ -301,7 +358,7 @@ class Comm:
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
-                   stream: str = "gather") -> Handle:
+                   stream: str = "gather", what: str = "") -> Handle:
         """output[r*n:(r+1)*n] <- input of rank r. ``input`` may alias its own slot in output.
         ``stream``: the CUDA side stream an asynchronous gather completes on (stage 3's
         prefetches use "prefetch")."""
@@ -310,9 +367,10 @@ class Comm:
                 output.copy_(input)
             return Handle()
         if async_op and output.is_cuda:
-            return self.on_side_stream(stream, [output, input],
-                                       lambda: self._all_gather_any(output, input, True))
-        return self._all_gather_any(output, input, async_op)
+            return self._guarded("all_gather", what, lambda: self.on_side_stream(
+                stream, [output, input], lambda: self._all_gather_any(output, input, True)))
+        return self._guarded("all_gather", what,
+                             lambda: self._all_gather_any(output, input, async_op))
 
     def _all_gather_any(self, output: torch.Tensor, input: torch.Tensor,
                         async_op: bool) -> Handle:
@@ -327,19 +385,21 @@ class Comm:
         return Handle(dist.all_gather(outputs, input.clone(), group=self.group,
                                       async_op=async_op))
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, what: str = "") -> None:
         if self.world_size == 1:
             return
         self._count("broadcast", tensor.numel() * tensor.element_size(), 1.0)
-        dist.broadcast(tensor, src=src, group=self.group)
+        self._guarded("broadcast", what, lambda: Handle(
+            dist.broadcast(tensor, src=src, group=self.group)))
 
     def all_gather_object(self, obj) -> list:
         if self.world_size == 1:
             return [obj]
         out = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        self._guarded("all_gather_object", "", lambda: Handle(
+            dist.all_gather_object(out, obj, group=self.group)))
         return out
 
-    def barrier(self) -> None:
+    def barrier(self, what: str = "") -> None:
         if self.world_size > 1:
-            dist.barrier(group=self.group)
+            self._guarded("barrier", what, lambda: Handle(dist.barrier(group=self.group)))

@@ -178,6 +178,17 @@ class Config:
     gradient_clipping: float = option(0.0, "Clip the global gradient norm to this; 0 disables.",
                                       lo=0.0, auto=True)
     steps_per_print: int = option(10, "Log every this many optimizer steps.", lo=1)
+    collective_timeout_s: float = option(
+        1800.0, "Seconds a collective may wait for the other ranks before this rank fails with "
+        "an error naming the operation, the bucket or parameters and the step (a rank that "
+        "crashed, hangs or skipped a backward), instead of hanging forever. Applies to the "
+        "process group initialize() creates (not to a group created before it: pass a timeout to "
+        "init_process_group there).", lo=1.0)
+    on_nonfinite: str = option(
+        "raise", "What a step does when a gradient holds inf/NaN and no fp16 loss scaler "
+        "decides it: 'raise' (an error naming the step and the first such parameter, on every "
+        "rank) or 'skip' (the step is skipped on every rank and counted in skipped_steps).",
+        choices=("raise", "skip"))
     optimizer: Optional[OptimizerConfig] = option(None, "Optimizer built by initialize() when "
                                                   "none is passed in.")
     scheduler: Optional[SchedulerConfig] = option(None, "Learning-rate scheduler built by "

@@ -34,6 +34,7 @@ class ZeroEngine:
         self.gradient_accumulation_steps = config.gradient_accumulation_steps
         self.global_steps = 0
         self.micro_steps = 0
+        self._backward_done = False  # engine.backward() ran for the current micro-step
         zero = config.zero_optimization
         self.precision = Precision.from_config(config)
         self.offload_optimizer = zero.offload_optimizer.device == "cpu"
@@ -70,7 +71,10 @@ class ZeroEngine:
                                           allgather_bucket_numel=zero.allgather_bucket_size,
                                           loss_scaler=scaler,
                                           sub_group_numel=zero.sub_group_size,
-                                          offload=self.offload)
+                                          offload=self.offload,
+                                          on_nonfinite=config.on_nonfinite,
+                                          param_names={id(p): n for n, p in
+                                                       module.named_parameters()})
         if self.fetcher is not None:
             self.optimizer.after_step = self.fetcher.refresh_gathered
         self.lr_scheduler = lr_scheduler
@@ -192,6 +196,13 @@ class ZeroEngine:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-step's loss, averaged over the accumulation steps, so the
         applied gradient is the mean over ranks and micro-steps (DeepSpeed's semantics)."""
+        if self._backward_done:
+            raise RuntimeError(
+                f"engine.backward() called twice for micro-step {self.micro_steps + 1} without "
+                "engine.step() in between: each micro-step is one backward and one step() "
+                f"(step() only updates every gradient_accumulation_steps="
+                f"{self.gradient_accumulation_steps} micro-steps); for several losses of one "
+                "micro-step, add them and call backward once")
         factor = self.loss_scale / self.gradient_accumulation_steps
         if factor != 1.0:
             # fp16: scaled in fp32, since loss x 2**16 overflows fp16 itself.
@@ -201,10 +212,17 @@ class ZeroEngine:
             loss.backward()
         finally:
             self.reducer.scaled_backward_pending = False
+        self._backward_done = True
 
     def step(self) -> None:
         """Count a micro-step; at an accumulation boundary update, clear grads, step the
         scheduler."""
+        if not self._backward_done:
+            raise RuntimeError(
+                f"engine.step() called for micro-step {self.micro_steps + 1} without "
+                "engine.backward(loss) before it: stepping would apply stale or zero gradients "
+                "(Adam would still move the weights). Call engine.backward(loss), then step()")
+        self._backward_done = False
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         if not boundary:

@@ -29,12 +29,17 @@ from .precision import LossScaler
 logger = logging.getLogger("zeroengine")
 
 
+class NonFiniteGradientError(FloatingPointError):
+    """A step's gradient held inf/NaN and the config's on_nonfinite is 'raise'."""
+
+
 class ShardedOptimizer(torch.optim.Optimizer):
     def __init__(self, base: torch.optim.Optimizer, flat_groups: list[FlatParamGroup],
                  reducer: GradReducer, comm: Comm, clip: float = 0.0,
                  allgather_bucket_numel: int = 50_000_000,
                  loss_scaler: LossScaler | None = None, sub_group_numel: int = 1_000_000_000,
-                 offload: OptimizerOffload | None = None):
+                 offload: OptimizerOffload | None = None, on_nonfinite: str = "raise",
+                 param_names: dict[int, str] | None = None):
         # Deliberately not calling Optimizer.__init__: it would copy the groups, and sharing the
         # user's dicts is what keeps their schedulers working.
         self.defaults = base.defaults
@@ -55,6 +60,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.allgather_bucket_numel = allgather_bucket_numel
         self.last_grad_norm: float | None = None
         self.loss_scaler = loss_scaler
+        self.on_nonfinite = on_nonfinite  # without a loss scaler: "raise" or "skip"
+        self.param_names = param_names or {}  # id(param) -> name, for messages
         self.skipped_steps = 0
         self.steps = 0
         self.sub_groups = self._plan_sub_groups(sub_group_numel)
@@ -98,7 +105,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for g in segs:
                 total += torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
         if any(fg.sharded for fg in self.flat_groups):
-            self.comm.all_reduce(total, "sum")
+            self.comm.all_reduce(total, "sum", what="the gradient norm")
         return math.sqrt(total.item())
 
     def _plan_sub_groups(self, limit: int) -> list[list[tuple[int, int]]]:
@@ -123,6 +130,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError("ShardedOptimizer.step() takes no closure: run forward and "
                              "backward first, then call step()")
         self._opt_called = True  # what torch's lr schedulers check (see _wrapped_by_lr_sched)
+        self.comm.step = self.steps + 1  # for messages: the step whose collectives these are
         self.reducer.flush()
         self.steps += 1
         try:
@@ -130,6 +138,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         finally:
             if self.offload is not None:
                 self.offload.finish_step()
+            self.comm.step = self.steps + 1  # the next backward's collectives belong to it
         return None
 
     def _step(self) -> None:
@@ -150,6 +159,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if overflow:
                 self.skipped_steps += 1
                 return
+        elif not math.isfinite(norm):
+            if self.on_nonfinite == "skip":
+                self.skipped_steps += 1
+                if self.comm.rank == 0:
+                    logger.warning("step %d skipped: a gradient is not finite (on_nonfinite="
+                                   "'skip'; %d steps skipped so far)", self.steps,
+                                   self.skipped_steps)
+                return
+            raise NonFiniteGradientError(self._nonfinite_message(grads))
         coef = 1.0 / scale
         if self.clip > 0:
             # The coefficient torch.nn.utils.clip_grad_norm_ applies, on unscaled gradients.
@@ -217,6 +235,39 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 in_flight = self._all_gather_segment(fg, s, in_flight)
         return in_flight
 
+    def _nonfinite_message(self, grads: list[list[torch.Tensor]]) -> str:
+        """Collective: the step and the first parameter (in model order over all ranks'
+        shards) whose reduced gradient holds an inf/NaN."""
+        found = None  # (group, flat index, name) of this rank's first non-finite element
+        for fi, fg in enumerate(self.flat_groups):
+            for s, g in enumerate(grads[fi]):
+                bad = (~torch.isfinite(g)).nonzero()
+                if bad.numel() == 0:
+                    continue
+                seg = fg.layout.segments[s]
+                start = seg.start if len(g) == seg.numel else seg.chunk_range(fg.rank)[0]
+                flat_index = start + int(bad[0, 0])
+                for i in seg.params:
+                    slot = fg.layout.slots[i]
+                    if slot.offset <= flat_index < slot.offset + slot.numel:
+                        name = self.param_names.get(id(fg.params[i]), f"#{i} of group {fi}")
+                        found = (fi, flat_index, name)
+                        break
+                if found is not None:
+                    break
+            if found is not None:
+                break
+        everyone = [f for f in self.comm.all_gather_object(found) if f is not None]
+        if everyone:
+            _, _, name = min(everyone)
+            which = f"the gradient of {name!r} holds inf/NaN"
+        else:
+            which = "the gradient norm is not finite"
+        return (f"step {self.steps}: {which} (after the reduction over ranks, so any rank's "
+                "data may have caused it). Without fp16 loss scaling nothing skips such a step; "
+                "check the data and learning rate, or set \"on_nonfinite\": \"skip\" to skip "
+                "these steps")
+
     # Tells torch's LRScheduler that step() already records _opt_called, so it does not warn.
     step._wrapped_by_lr_sched = True
 
@@ -229,7 +280,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for handle, _ in in_flight:
                 handle.wait()
             in_flight = []
-        handle = self.comm.all_gather(full, fg.chunk(s), async_op=True)
+        handle = self.comm.all_gather(full, fg.chunk(s), async_op=True,
+                                      what=f"updated parameters, segment {s} of param group "
+                                      f"{fg.group_index}")
         return in_flight + [(handle, full.numel())]
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -71,6 +71,7 @@ class ParamFetcher:
                 for i in seg.params:
                     where[id(g.params[i])] = (gi, s)
         self.where = where
+        self._param_names = {id(p): name for name, p in module.named_parameters()}
         for param_id in where:
             _FETCHER_OF[param_id] = self
         self._hooks = []
@@ -128,11 +129,23 @@ class ParamFetcher:
         full.untyped_storage().resize_(full.numel() * full.element_size())
         # CUDA: prefetches complete on their own side stream, tracked apart from on-demand
         # gathers (NCCL still runs the collectives of one communicator in issue order)
-        entry = _Gathered(self.comm.all_gather(full, g.chunk_on_device(s), async_op=True,
-                                               stream="prefetch" if prefetch else "gather"))
+        entry = _Gathered(self.comm.all_gather(
+            full, g.chunk_on_device(s), async_op=True,
+            stream="prefetch" if prefetch else "gather",
+            what=f"stage-3 parameters {self._names_of(key)}"))
         self.gathered[key] = entry
         self.gathers += 1
         return entry
+
+    def _names_of(self, key: Key) -> str:
+        """The parameters of a segment, for error messages: 'a.weight' or 'a.weight .. b.bias
+        (n)'."""
+        g = self.groups[key[0]]
+        indices = g.layout.segments[key[1]].params
+        names = [self._param_names.get(id(g.params[i]), f"#{i}") for i in indices]
+        if not names:
+            return f"(segment {key[1]})"
+        return names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} ({len(names)})"
 
     def _ready(self, key: Key) -> _Gathered:
         entry = self.gathered.get(key)
