@@ -225,8 +225,9 @@ class GradReducer:
                 self._zero_unwritten(b)
             source = b.staging
         after = None
-        what = f"gradient bucket {b.segment} of param group {g.group_index} " \
-            f"({seg.numel} elements)"
+        def what():  # for an error message only
+            return f"gradient bucket {b.segment} of param group {g.group_index} " \
+                f"({seg.numel} elements)"
         if self.stage == 0:
             b.handle = self.comm.all_reduce(source, "avg", async_op=True, what=what)
             if source is not grads:

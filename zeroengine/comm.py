@@ -168,10 +168,11 @@ class Comm:
         self._streams: dict[tuple[str, int], torch.cuda.Stream] = {}
 
     # -- failures -----------------------------------------------------------------------------
-    def explain(self, err: Exception, op: str, what: str, step: int) -> CollectiveError | None:
+    def explain(self, err: Exception, op: str, what, step: int) -> CollectiveError | None:
         """A CollectiveError saying which collective failed and the likely why, or None when
         ``err`` is not a timeout or a lost peer."""
         text = str(err).lower()
+        what = what() if callable(what) else what  # formatted only when something failed
         where = f"{op} of {what}" if what else op
         waited = f" after {self.timeout_s:g} s" if self.timeout_s else ""
         if any(mark in text for mark in _TIMEOUT_MARKS):
@@ -185,7 +186,7 @@ class Comm:
         return CollectiveError(f"rank {self.rank}: {where} at step {step} failed: {why}. "
                                f"({type(err).__name__}: {str(err).splitlines()[0][:300]})")
 
-    def _guarded(self, op: str, what: str, issue: Callable[[], Handle]) -> Handle:
+    def _guarded(self, op: str, what, issue: Callable[[], Handle]) -> Handle:
         """Issue a collective, turning a timeout into a CollectiveError (here or at wait())."""
         step = self.step
         try:
@@ -246,8 +247,9 @@ class Comm:
 
     # -- collectives ------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False,
-                   what: str = "") -> Handle:
-        """``what``: what the tensor holds, for error messages (as for every collective)."""
+                   what="") -> Handle:
+        """``what``: what the tensor holds, for error messages (as for every collective): a
+        string, or a callable returning one, called only if the collective fails."""
         if self.world_size == 1:
             return Handle()
         if async_op and tensor.is_cuda:
@@ -275,7 +277,7 @@ class Comm:
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "avg",
                        async_op: bool = False, via_all_reduce: bool = False,
-                       what: str = "") -> Handle:
+                       what="") -> Handle:
         """output (numel n) <- op over ranks of input[rank*n:(rank+1)*n]. ``via_all_reduce``
         forces the all-reduce fallback (DeepSpeed's reduce_scatter=false)."""
         if self.world_size == 1:
@@ -358,7 +360,7 @@ class Comm:
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
-                   stream: str = "gather", what: str = "") -> Handle:
+                   stream: str = "gather", what="") -> Handle:
         """output[r*n:(r+1)*n] <- input of rank r. ``input`` may alias its own slot in output.
         ``stream``: the CUDA side stream an asynchronous gather completes on (stage 3's
         prefetches use "prefetch")."""
@@ -385,7 +387,7 @@ class Comm:
         return Handle(dist.all_gather(outputs, input.clone(), group=self.group,
                                       async_op=async_op))
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0, what: str = "") -> None:
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, what="") -> None:
         if self.world_size == 1:
             return
         self._count("broadcast", tensor.numel() * tensor.element_size(), 1.0)
@@ -400,6 +402,6 @@ class Comm:
             dist.all_gather_object(out, obj, group=self.group)))
         return out
 
-    def barrier(self, what: str = "") -> None:
+    def barrier(self, what="") -> None:
         if self.world_size > 1:
             self._guarded("barrier", what, lambda: Handle(dist.barrier(group=self.group)))

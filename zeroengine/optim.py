@@ -176,8 +176,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         in_flight: list[tuple[Handle, int]] = []
         for batch in self.sub_groups:
             if self._fused:
-                self._fused_step(batch, grads, coef)
-                in_flight = self._publish(batch, set(batch), in_flight)
+                written = self._fused_step(batch, grads, coef)
+                in_flight = self._publish(batch, written, in_flight)
                 continue
             copy_out = {}  # master chunk -> tensor receiving its low-precision values
             for fi, s in batch:
@@ -207,18 +207,24 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self.offload.finish_step()  # refreshed segments read the updated chunks
             self.after_step()
 
-    def _fused_step(self, batch, grads, coef: float) -> None:
+    def _fused_step(self, batch, grads, coef: float) -> set:
         """One FusedAdam launch over the batch: gradients as reduced (bf16/fp16/fp32), the
-        coefficient applied in the kernel, the compute-dtype chunk written in the same pass."""
-        masters, grad_of, lows = [], {}, {}
+        coefficient applied in the kernel, the compute-dtype chunk written in the same pass.
+        Returns the (group, segment) pairs whose model values are already up to date."""
+        grad_of, lows, written = {}, {}, set()
         for fi, s in batch:
             fg = self.flat_groups[fi]
             master = fg.master_segments[s]
-            masters.append(master)
             grad_of[master] = grads[fi][s]
-            if fg.master is not None:  # mixed precision: the model's bf16/fp16 chunk
-                lows[master] = fg.chunk(s)
+            if fg.master is None:  # fp32: the master is the model's own chunk
+                written.add((fi, s))
+                continue
+            chunk = fg.chunk(s)
+            if chunk.device == master.device:  # not an offloaded stage-3 shard
+                lows[master] = chunk
+                written.add((fi, s))
         self.inner.step(low_precision_copies=lows, grad_coef=coef, grads=grad_of)
+        return written
 
     def _publish(self, batch, written: set, in_flight: list[tuple[Handle, int]]):
         """Make the updated chunks the model's values (unless the step wrote them already) and
@@ -281,8 +287,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 handle.wait()
             in_flight = []
         handle = self.comm.all_gather(full, fg.chunk(s), async_op=True,
-                                      what=f"updated parameters, segment {s} of param group "
-                                      f"{fg.group_index}")
+                                      what=lambda: f"updated parameters, segment {s} of "
+                                      f"param group {fg.group_index}")
         return in_flight + [(handle, full.numel())]
 
     def zero_grad(self, set_to_none: bool = True) -> None:

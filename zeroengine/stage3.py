@@ -132,7 +132,7 @@ class ParamFetcher:
         entry = _Gathered(self.comm.all_gather(
             full, g.chunk_on_device(s), async_op=True,
             stream="prefetch" if prefetch else "gather",
-            what=f"stage-3 parameters {self._names_of(key)}"))
+            what=lambda: f"stage-3 parameters {self._names_of(key)}"))
         self.gathered[key] = entry
         self.gathers += 1
         return entry
