@@ -55,6 +55,8 @@ OURS = ["ze0", "ze1", "ze2", "ze3", "ze2-off", "ze3-off"]
 SAME_SHARDING = {"ze0": ["ddp", "ds0"], "ze1": ["zero-opt", "ds1"],
                  "ze2": ["fsdp2-keep", "ds2"], "ze3": ["fsdp2", "ds3"],
                  "ze2-off": ["ds2-off"], "ze3-off": ["ds3-off"]}
+# --ours-zero travels to the spawned ranks in this variable
+OURS_ZERO_ENV = "ZEROENGINE_COMPARE_ZERO"
 # Parameters, gradients and Adam states in units of parameter count x bytes (ZeRO paper).
 LR = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
 
@@ -139,7 +141,8 @@ def build(variant: str, precision: str, cfg: GPTConfig, micro: int):
                   "bf16": {"enabled": bf16},
                   "zero_optimization": {"stage": stage,
                                         **({"offload_optimizer": {"device": "cpu"}}
-                                           if offload else {})}}
+                                           if offload else {}),
+                                        **json.loads(os.environ.get(OURS_ZERO_ENV, "{}"))}}
         torch.manual_seed(0)
         with zeroengine.zero_init(config):  # stage 3: built sharded (else a no-op)
             model = GPT(cfg)
@@ -276,7 +279,12 @@ def main() -> None:
                     "matmuls are ~7x slower than fp32 on CPUs without AVX512-BF16")
     ap.add_argument("--variants", default=None, help="comma list (default: all that import)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--ours-zero", default=None, help="JSON merged into our rows' "
+                    "zero_optimization, e.g. '{\"stage3_prefetch_bucket_size\": 5000000}'")
     args = ap.parse_args()
+    if args.ours_zero:
+        json.loads(args.ours_zero)  # refuse bad JSON here, not in every rank
+        os.environ[OURS_ZERO_ENV] = args.ours_zero
     have_ds = importlib.util.find_spec("deepspeed") is not None
     if not have_ds:
         print("deepspeed is not importable: its rows are left out "

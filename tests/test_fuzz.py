@@ -114,14 +114,19 @@ def test_junk_configs_raise_only_config_error(config):
 
 
 # -- stage equivalence over random shapes and world sizes ----------------------------------------
-def train_shapes(widths: list[int], stage: int, steps: int = 3) -> dict:
-    """A random-width MLP, 3 steps at ``stage`` on this rank's slice of one global batch."""
-    import zeroengine
+def mlp(widths: list[int]) -> nn.Module:
+    """Linear layers of the given widths with tanh between them, seeded."""
     torch.manual_seed(0)
     layers = []
     for a, b in zip(widths, widths[1:]):
         layers += [nn.Linear(a, b), nn.Tanh()]
-    model = nn.Sequential(*layers[:-1])
+    return nn.Sequential(*layers[:-1])
+
+
+def train_shapes(widths: list[int], stage: int, steps: int = 3) -> dict:
+    """A random-width MLP, 3 steps at ``stage`` on this rank's slice of one global batch."""
+    import zeroengine
+    model = mlp(widths)
     engine = zeroengine.initialize(model, {
         "gradient_clipping": 1.0, "zero_optimization": {
             "stage": stage, "reduce_bucket_size": 37,
@@ -141,11 +146,7 @@ def train_shapes(widths: list[int], stage: int, steps: int = 3) -> dict:
 
 
 def reference_shapes(widths: list[int], world: int, steps: int = 3) -> dict:
-    torch.manual_seed(0)
-    layers = []
-    for a, b in zip(widths, widths[1:]):
-        layers += [nn.Linear(a, b), nn.Tanh()]
-    model = nn.Sequential(*layers[:-1])
+    model = mlp(widths)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
     gen = torch.Generator().manual_seed(7)
     for _ in range(steps):
