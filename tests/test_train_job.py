@@ -68,3 +68,14 @@ def test_metrics_go_to_jsonl_and_tensorboard(tmp_path):
     assert [(e.step, e.value) for e in board.Scalars("loss")] == [(1, 3.0), (2, 1.5)]
     assert [(e.step, e.value) for e in board.Scalars("val_loss")] == [(2, 2.0)]
     assert [e.value for e in board.Scalars("model_state_mb_per_rank/rank1")] == [2.5, 2.5]
+
+
+def test_minimal_example_loop_runs():
+    """zeroengine/examples/demo.py, the minimal loop the README's usage grows from, still runs."""
+    out = subprocess.run([sys.executable, "-m", "zeroengine.examples.demo",
+                          os.path.join(ROOT, "configs", "zero2.json"), "2"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "ZeRO stage 2, world size 1" in out.stdout and "step    1  loss" in out.stdout, \
+        out.stdout

@@ -8,28 +8,13 @@
 from __future__ import annotations
 
 import sys
-import sysconfig
 import time
-from pathlib import Path
 
 import torch
 
 import zeroengine
 from zeroengine.examples.gpt import GPT, GPTConfig, num_params
-
-
-def stdlib_bytes(limit: int = 4_000_000) -> torch.Tensor:
-    """The first `limit` bytes of the standard library's .py files, sorted by path (the same
-    corpus on every machine, no download)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    chunks, total = [], 0
-    for path in sorted(root.glob("*.py")):
-        data = path.read_bytes()
-        chunks.append(data)
-        total += len(data)
-        if total >= limit:
-            break
-    return torch.frombuffer(bytearray(b"".join(chunks)[:limit]), dtype=torch.uint8).long()
+from zeroengine.train_job import stdlib_corpus
 
 
 def main() -> None:
@@ -41,7 +26,7 @@ def main() -> None:
     engine = zeroengine.initialize(model, config_path)
     rank, world = engine.comm.rank, engine.comm.world_size
     micro = engine.config.train_micro_batch_size_per_gpu or 8
-    data = stdlib_bytes()
+    data, _ = stdlib_corpus(4_000_000)  # the stdlib's own sources: no download
     gen = torch.Generator().manual_seed(1234 + rank)  # each rank reads different windows
     if rank == 0:
         print(f"GPT {num_params(model) / 1e6:.1f}M params, ZeRO stage {engine.stage}, "
