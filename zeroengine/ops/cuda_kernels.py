@@ -61,8 +61,9 @@ def load_cuda_kernels():
                       "PyTorch's ops (torch's fused AdamW for the step)", RuntimeWarning,
                       stacklevel=2)
         return None
-    logger.info("zeroengine: JIT-building the CUDA kernels from %s (first use only)",
-                source_dir())
+    # a warning, not info: the first process waits a minute or two for nvcc, visibly
+    logger.warning("zeroengine: the CUDA kernels were not built by setup.py; JIT-building them "
+                   "from %s (once: torch caches the build)", source_dir())
     try:
         _module = jit_build()
     except Exception as err:  # a compiler failure must not stop training: fall back, loudly
