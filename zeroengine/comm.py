@@ -14,7 +14,7 @@ from __future__ import annotations
 import datetime
 import os
 from collections import defaultdict
-from typing import Callable
+from typing import Callable, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -125,10 +125,9 @@ class Handle:
             for work in self._works:
                 work.wait()
         except RuntimeError as err:
-            explained = self.context[0].explain(err, *self.context[1:]) if self.context else None
-            if explained is None:
+            if self.context is None:
                 raise
-            raise explained from err
+            self.context[0].raise_explained(err, *self.context[1:])
         self._works = []
         if self._after is not None:
             after, self._after = self._after, None
@@ -186,16 +185,26 @@ class Comm:
         return CollectiveError(f"rank {self.rank}: {where} at step {step} failed: {why}. "
                                f"({type(err).__name__}: {str(err).splitlines()[0][:300]})")
 
-    def _guarded(self, op: str, what, issue: Callable[[], Handle]) -> Handle:
-        """Issue a collective, turning a timeout into a CollectiveError (here or at wait())."""
+    def raise_explained(self, err: RuntimeError, op: str, what, step: int) -> NoReturn:
+        """Raise ``err`` as a CollectiveError when it is a timeout or a lost peer, else as is."""
+        explained = self.explain(err, op, what, step)
+        if explained is None:
+            raise err
+        raise explained from err
+
+    def _issue(self, op: str, what, kind: str, tensors: list[torch.Tensor], async_op: bool,
+               issue: Callable[[bool], Handle]) -> Handle:
+        """``issue(async_op)`` a collective on ``tensors``: asynchronous ones complete on the
+        CUDA side stream ``kind`` (on CPU, as they are); a timeout becomes a CollectiveError
+        here or at ``wait()``."""
         step = self.step
         try:
-            handle = issue()
+            if async_op:
+                handle = self.on_side_stream(kind, tensors, lambda: issue(True))
+            else:
+                handle = issue(False)
         except RuntimeError as err:
-            explained = self.explain(err, op, what, step)
-            if explained is None:
-                raise
-            raise explained from err
+            self.raise_explained(err, op, what, step)
         handle.context = (self, op, what, step)
         return handle
 
@@ -252,11 +261,8 @@ class Comm:
         string, or a callable returning one, called only if the collective fails."""
         if self.world_size == 1:
             return Handle()
-        if async_op and tensor.is_cuda:
-            return self._guarded("all_reduce", what, lambda: self.on_side_stream(
-                "reduce", [tensor], lambda: self._all_reduce(tensor, op, True)))
-        return self._guarded("all_reduce", what,
-                             lambda: self._all_reduce(tensor, op, async_op))
+        return self._issue("all_reduce", what, "reduce", [tensor], async_op,
+                           lambda a: self._all_reduce(tensor, op, a))
 
     def _all_reduce(self, tensor: torch.Tensor, op: str, async_op: bool) -> Handle:
         self._count("all_reduce", tensor.numel() * tensor.element_size(), 2.0)
@@ -284,12 +290,9 @@ class Comm:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return Handle()
-        if async_op and input.is_cuda:
-            return self._guarded("reduce_scatter", what, lambda: self.on_side_stream(
-                "reduce", [output, input],
-                lambda: self._reduce_scatter_any(output, input, op, True, via_all_reduce)))
-        return self._guarded("reduce_scatter", what, lambda: self._reduce_scatter_any(
-            output, input, op, async_op, via_all_reduce))
+        return self._issue("reduce_scatter", what, "reduce", [output, input], async_op,
+                           lambda a: self._reduce_scatter_any(output, input, op, a,
+                                                              via_all_reduce))
 
     def _reduce_scatter_any(self, output, input, op, async_op, via_all_reduce) -> Handle:
         if not via_all_reduce:
@@ -368,11 +371,8 @@ class Comm:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return Handle()
-        if async_op and output.is_cuda:
-            return self._guarded("all_gather", what, lambda: self.on_side_stream(
-                stream, [output, input], lambda: self._all_gather_any(output, input, True)))
-        return self._guarded("all_gather", what,
-                             lambda: self._all_gather_any(output, input, async_op))
+        return self._issue("all_gather", what, stream, [output, input], async_op,
+                           lambda a: self._all_gather_any(output, input, a))
 
     def _all_gather_any(self, output: torch.Tensor, input: torch.Tensor,
                         async_op: bool) -> Handle:
@@ -391,17 +391,18 @@ class Comm:
         if self.world_size == 1:
             return
         self._count("broadcast", tensor.numel() * tensor.element_size(), 1.0)
-        self._guarded("broadcast", what, lambda: Handle(
+        self._issue("broadcast", what, "", [tensor], False, lambda _: Handle(
             dist.broadcast(tensor, src=src, group=self.group)))
 
     def all_gather_object(self, obj) -> list:
         if self.world_size == 1:
             return [obj]
         out = [None] * self.world_size
-        self._guarded("all_gather_object", "", lambda: Handle(
+        self._issue("all_gather_object", "", "", [], False, lambda _: Handle(
             dist.all_gather_object(out, obj, group=self.group)))
         return out
 
     def barrier(self, what="") -> None:
         if self.world_size > 1:
-            self._guarded("barrier", what, lambda: Handle(dist.barrier(group=self.group)))
+            self._issue("barrier", what, "", [], False,
+                        lambda _: Handle(dist.barrier(group=self.group)))

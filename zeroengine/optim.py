@@ -241,10 +241,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 in_flight = self._all_gather_segment(fg, s, in_flight)
         return in_flight
 
-    def _nonfinite_message(self, grads: list[list[torch.Tensor]]) -> str:
-        """Collective: the step and the first parameter (in model order over all ranks'
-        shards) whose reduced gradient holds an inf/NaN."""
-        found = None  # (group, flat index, name) of this rank's first non-finite element
+    def _first_nonfinite(self, grads: list[list[torch.Tensor]]) -> tuple | None:
+        """(group, flat index, parameter name) of this rank's first inf/NaN gradient element."""
         for fi, fg in enumerate(self.flat_groups):
             for s, g in enumerate(grads[fi]):
                 bad = (~torch.isfinite(g)).nonzero()
@@ -256,13 +254,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 for i in seg.params:
                     slot = fg.layout.slots[i]
                     if slot.offset <= flat_index < slot.offset + slot.numel:
-                        name = self.param_names.get(id(fg.params[i]), f"#{i} of group {fi}")
-                        found = (fi, flat_index, name)
-                        break
-                if found is not None:
-                    break
-            if found is not None:
-                break
+                        return fi, flat_index, self.param_names.get(id(fg.params[i]),
+                                                                    f"#{i} of group {fi}")
+        return None  # only padding is non-finite here, or nothing
+
+    def _nonfinite_message(self, grads: list[list[torch.Tensor]]) -> str:
+        """Collective: the step and the first parameter (in model order over all ranks'
+        shards) whose reduced gradient holds an inf/NaN."""
+        found = self._first_nonfinite(grads)
         everyone = [f for f in self.comm.all_gather_object(found) if f is not None]
         if everyone:
             _, _, name = min(everyone)

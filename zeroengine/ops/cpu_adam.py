@@ -50,12 +50,7 @@ class CPUAdam(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p,
-                                                           memory_format=torch.contiguous_format)
+                state = self.state_of(p)
                 state["step"] = int(state["step"]) + 1  # torch-format state holds a tensor
                 low = low_precision_copies.get(p) if low_precision_copies else None
                 args = (group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
@@ -66,6 +61,15 @@ class CPUAdam(torch.optim.Optimizer):
                 else:
                     _adam_torch(p, p.grad, state["exp_avg"], state["exp_avg_sq"], *args, low)
         return loss
+
+    def state_of(self, p: torch.Tensor) -> dict:
+        """p's state, created (step 0, zero moments) on first use."""
+        state = self.state[p]
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        return state
 
 
 def _fits_kernel(p: torch.Tensor, g: torch.Tensor) -> bool:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .cpu_adam import CPUAdam
+from .cpu_adam import CPUAdam, _adam_torch
 from .cuda_kernels import load_cuda_kernels
 
 
@@ -53,13 +53,7 @@ class FusedAdam(CPUAdam):
             # checkpoint or a parameter without a gradient, so group by it.
             by_step: dict[int, list[torch.Tensor]] = {}
             for p in live:
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                    state["exp_avg_sq"] = torch.zeros_like(
-                        p, memory_format=torch.contiguous_format)
-                by_step.setdefault(int(state["step"]) + 1, []).append(p)
+                by_step.setdefault(int(self.state_of(p)["step"]) + 1, []).append(p)
             for step, params in by_step.items():
                 self._step_tensors(group, params, [grad_of[p] for p in params], step,
                                    low_precision_copies or {}, grad_coef)
@@ -71,18 +65,16 @@ class FusedAdam(CPUAdam):
         beta1, beta2 = group["betas"]
         hyper = (group["lr"], beta1, beta2, group["eps"], group["weight_decay"], step,
                  group["adamw_mode"], group["bias_correction"])
-        grad_of = dict(zip(map(id, params), grads))
         if self._kernels is not None and all(map(_fits_cuda_kernel, params, grads)):
             # the kernel writes low copies for all tensors of a launch or for none, and takes
             # one gradient dtype
-            for subset in _launch_sets(params, grads, lows):
-                if subset:
-                    self._kernels.fused_adam(
-                        subset, [grad_of[id(p)].contiguous() for p in subset],
-                        [self.state[p]["exp_avg"] for p in subset],
-                        [self.state[p]["exp_avg_sq"] for p in subset],
-                        [lows[p] for p in subset if p in lows], *hyper, float(grad_coef),
-                        self.found_nonfinite)
+            for subset, subset_grads in _launch_sets(params, grads, lows):
+                self._kernels.fused_adam(
+                    subset, [g.contiguous() for g in subset_grads],
+                    [self.state[p]["exp_avg"] for p in subset],
+                    [self.state[p]["exp_avg_sq"] for p in subset],
+                    [lows[p] for p in subset if p in lows], *hyper, float(grad_coef),
+                    self.found_nonfinite)
             return
         for p, g in zip(params, grads):
             state = self.state[p]
@@ -95,17 +87,18 @@ def _fits_cuda_kernel(p: torch.Tensor, g: torch.Tensor) -> bool:
         g.device == p.device and g.dtype in (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _launch_sets(params, grads, lows) -> list[list[torch.Tensor]]:
-    """params split by (gradient dtype, has a low-precision copy): one launch each."""
-    sets: dict[tuple, list[torch.Tensor]] = {}
+def _launch_sets(params, grads, lows) -> list[tuple[list, list]]:
+    """(params, grads) split by gradient dtype and low-copy dtype (or none): one launch each."""
+    sets: dict[tuple, tuple[list, list]] = {}
     for p, g in zip(params, grads):
-        sets.setdefault((g.dtype, p in lows, lows[p].dtype if p in lows else None), []).append(p)
+        ps, gs = sets.setdefault((g.dtype, lows[p].dtype if p in lows else None), ([], []))
+        ps.append(p)
+        gs.append(g)
     return list(sets.values())
 
 
 def _adam_masked(p, g, m, v, hyper, grad_coef, low, found) -> None:
     """The kernel's semantics in PyTorch: scaled gradient, non-finite elements left alone."""
-    from .cpu_adam import _adam_torch
     g = g.float() * grad_coef if (grad_coef != 1.0 or g.dtype != torch.float32) else g
     bad = ~torch.isfinite(g)
     if bool(bad.any()):
