@@ -16,6 +16,7 @@ import torch.nn as nn
 from .comm import Comm, init_distributed
 from .config import Config, ConfigError, parse_config, resolve_auto, to_dict
 from .consistency import RankMismatchError, check_rank_consistency
+from .drop_in import install as _install_drop_in
 from .engine import ZeroEngine
 from .optim_factory import check_elementwise, optimizer_from_config
 from .schedulers import scheduler_from_config
@@ -23,6 +24,7 @@ from .stage3 import gathered_parameters
 from .zero_init import zero_init
 
 __version__ = "0.1.0"
+_install_drop_in()  # torch.nn.utils.clip_grad_norm_ learns the engine's sharded gradients
 __all__ = ["initialize", "init_distributed", "gathered_parameters", "zero_init", "ZeroEngine",
            "ConfigError", "Config", "parse_config", "RankMismatchError", "__version__"]
 

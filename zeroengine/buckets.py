@@ -99,6 +99,12 @@ class GradReducer:
         for g in groups:
             for p in g.params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+        # Stage 1 reducing in place: see _prepare_next_reduction.
+        self._rescale_pending = False
+        if stage == 1 and any(o is None for o in self.owned):
+            for g in groups:
+                for p in g.params:
+                    self._hooks.append(p.register_hook(self._before_accumulate))
         self._in_backward = False
         self._reduce_now = False
         self._next_launch = 0
@@ -208,6 +214,41 @@ class GradReducer:
         # pass accumulate onto the stale shard.
         self._owned_valid = [True] * len(self.groups)
         self._unreduced = False
+        if self.stage == 1:
+            self._prepare_next_reduction()
+
+    def _prepare_next_reduction(self) -> None:
+        """Stage 1: another backward may come before the step (a plain loop that accumulates
+        with several loss.backward() calls, whatever gradient_accumulation_steps says); its
+        reduction must *add* the mean of the new local gradients to what is reduced already,
+        as DDP does. The full buffer still holds this rank's unreduced gradients outside its own
+        chunks: zero them, so autograd accumulates only the new ones there. In-place reduction
+        (the own chunk lives in the full buffer) averages the own chunk with the others' again:
+        the next backward first multiplies it by the world size (``_before_accumulate``, a
+        hook that runs before autograd adds into the buffer), so that average gives back the
+        reduced value plus the mean of the new gradients."""
+        for gi, g in enumerate(self.groups):
+            buf = self.full_grads[gi]
+            if self.owned[gi] is not None:
+                buf.data.zero_()  # the reduced shard lives apart: nothing here is needed
+                continue
+            for s in range(len(g.layout.segments)):
+                seg_begin = g.layout.segments[s].start
+                own_begin, own_end = g.layout.segments[s].chunk_range(g.rank)
+                seg_end = seg_begin + g.layout.segments[s].numel
+                buf.data[seg_begin:own_begin].zero_()
+                buf.data[own_end:seg_end].zero_()
+            self._rescale_pending = True
+
+    def _before_accumulate(self, grad: torch.Tensor) -> None:
+        """Stage 1, in place: the first gradient of a backward that follows a reduction."""
+        if self._rescale_pending:
+            self._rescale_pending = False
+            for gi, g in enumerate(self.groups):
+                if self.owned[gi] is None:
+                    for s in range(len(g.layout.segments)):
+                        self.full_grads[gi].chunk_view(s, g.rank).mul_(self.comm.world_size)
+        return None
 
     # -- one bucket -----------------------------------------------------------------------------
     def _start_reduce(self, b: Bucket) -> None:
@@ -305,6 +346,7 @@ class GradReducer:
         for buf in self.full_grads:
             if buf is not None:
                 buf.data.zero_()
+        self._rescale_pending = False
         # Owned shards are overwritten by the next reduce-scatter: no pass over memory needed.
         self._owned_valid = [False] * len(self.groups)
         self.backwards_since_step = 0

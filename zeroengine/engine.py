@@ -13,6 +13,7 @@ import torch.nn as nn
 from .buckets import GradReducer
 from .comm import Comm
 from .config import Config
+from .drop_in import redirect_optimizer, register_parameters, unregister_parameters
 from .flat import bucket_params
 from .ops import flatten_into, unflatten_from
 from .offload import OptimizerOffload
@@ -77,6 +78,10 @@ class ZeroEngine:
                                                        module.named_parameters()})
         if self.fetcher is not None:
             self.optimizer.after_step = self.fetcher.refresh_gathered
+        # the loop the user already has keeps working: their optimizer object and torch's
+        # clip_grad_norm_ reach the sharded step (drop_in.py)
+        redirect_optimizer(optimizer, self.optimizer)
+        register_parameters(self._managed_params(), self.optimizer)
         self.lr_scheduler = lr_scheduler
         if lr_scheduler is not None and hasattr(lr_scheduler, "optimizer"):
             lr_scheduler.optimizer = self.optimizer
@@ -139,8 +144,12 @@ class ZeroEngine:
         if group.partitioned:
             self.fetcher.on_segment_reduced(group, segment)
 
+    def _managed_params(self) -> list[torch.nn.Parameter]:
+        return [p for fg in self.flat_groups for p in fg.params]
+
     def close(self) -> None:
         """Remove every hook the engine put on the model and its parameters."""
+        unregister_parameters(self._managed_params())
         self.reducer.remove_hooks()
         unregister_whole(self.flat_groups)
         if self.fetcher is not None:
@@ -174,7 +183,7 @@ class ZeroEngine:
     def _cast_rest_of_module(self, dtype: torch.dtype) -> None:
         """Frozen parameters and floating-point buffers follow the compute dtype, as they
         would under module.to(dtype); managed parameters already live in it."""
-        managed = {id(p) for fg in self.flat_groups for p in fg.params}
+        managed = {id(p) for p in self._managed_params()}
         with torch.no_grad():
             for p in self.module.parameters():
                 if id(p) not in managed and p.is_floating_point():
@@ -267,7 +276,7 @@ class ZeroEngine:
         ``optimizer_states`` on the training device, ``host_*`` the same offloaded to host
         memory (on a CPU-only machine both are RAM; the split says where the engine put them),
         ``total`` all of them."""
-        managed = {id(p) for fg in self.flat_groups for p in fg.params}
+        managed = {id(p) for p in self._managed_params()}
         params = sum(fg.nbytes() for fg in self.flat_groups)
         if self.fetcher is not None:
             params += self.fetcher.gathered_nbytes()

@@ -66,6 +66,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.steps = 0
         self.sub_groups = self._plan_sub_groups(sub_group_numel)
         self.after_step = None  # stage 3: refresh segments still gathered across the step
+        # torch.nn.utils.clip_grad_norm_ called by the user's loop: (max_norm, norm, backward
+        # passes seen then), applied by the next step (see drop_in.py)
+        self._user_clip: tuple[float, float, int] | None = None
         inner_groups = []
         self._inner_of_outer: list[list[int]] = [[] for _ in self.param_groups]
         for fg in flat_groups:
@@ -97,16 +100,51 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     if key not in IMPLEMENTATION_KEYS:
                         inner[key] = value
 
-    def global_grad_norm(self, grads: list[list[torch.Tensor]]) -> float:
-        """L2 norm of the full (reduced) gradient: local sum of squares + one tiny all-reduce."""
+    def global_grad_norm(self, grads: list[list[torch.Tensor]], norm_type: float = 2.0) -> float:
+        """The norm of the full (reduced) gradient: a local reduction over the rank's shards
+        + one tiny all-reduce (sum of |g|^p, or max for the inf-norm)."""
         device = self.flat_groups[0].device if self.flat_groups else "cpu"
         total = torch.zeros(1, dtype=torch.float32, device=device)
+        infinite = math.isinf(norm_type)
         for segs in grads:
             for g in segs:
-                total += torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
+                local = torch.linalg.vector_norm(g, norm_type, dtype=torch.float32)
+                if infinite:
+                    total = torch.maximum(total, local)
+                else:
+                    total += local ** norm_type
         if any(fg.sharded for fg in self.flat_groups):
-            self.comm.all_reduce(total, "sum", what="the gradient norm")
-        return math.sqrt(total.item())
+            self.comm.all_reduce(total, "max" if infinite else "sum", what="the gradient norm")
+        return total.item() if infinite else total.item() ** (1.0 / norm_type)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, params: list, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ for the engine's parameters (drop_in.py routes it
+        here): the norm of the reduced gradient over all ranks, returned now; the clip
+        coefficient is applied by the next step(). Collective."""
+        given = {id(p) for p in params}
+        missing = [self.param_names.get(id(p), tuple(p.shape)) for fg in self.flat_groups
+                   for p in fg.params if id(p) not in given]
+        if missing:
+            raise RuntimeError(
+                f"clip_grad_norm_ was given {len(given)} parameters but the engine also trains "
+                f"{len(missing)} others (first: {missing[0]!r}); zeroengine clips by the norm of "
+                "all of its parameters' gradients: pass model.parameters()")
+        if norm_type <= 0:
+            raise ValueError(f"clip_grad_norm_: norm_type must be positive, got {norm_type}")
+        self.reducer.flush()
+        grads = [self.reducer.owned_grad_segments(fg) for fg in self.flat_groups]
+        scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        norm = self.global_grad_norm(grads, norm_type) / scale
+        if error_if_nonfinite and not math.isfinite(norm):
+            raise RuntimeError(f"The total norm of order {norm_type} for gradients from "
+                               "`parameters` is non-finite, so it cannot be clipped. To disable "
+                               "this error and scale the gradients by the non-finite norm "
+                               "anyway, set `error_if_nonfinite=False`")
+        self._user_clip = (max_norm, norm, self.reducer.backwards_since_step)
+        device = self.flat_groups[0].device if self.flat_groups else "cpu"
+        return torch.tensor(norm, device=device)
 
     def _plan_sub_groups(self, limit: int) -> list[list[tuple[int, int]]]:
         """Batches of (flat group, segment) stepped together, at most ``limit`` elements each
@@ -142,6 +180,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return None
 
     def _step(self) -> None:
+        user_clip, self._user_clip = self._user_clip, None
+        if user_clip is not None and user_clip[2] != self.reducer.backwards_since_step:
+            raise RuntimeError("clip_grad_norm_ was called, then another backward ran before "
+                               "optimizer.step(): the clip was computed for other gradients. "
+                               "Clip after the last backward of the step")
         grads = [self.reducer.owned_grad_segments(fg) for fg in self.flat_groups]
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         # One all-reduce gives the norm and the overflow check: any inf/NaN on any rank makes
@@ -169,6 +212,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 return
             raise NonFiniteGradientError(self._nonfinite_message(grads))
         coef = 1.0 / scale
+        if user_clip is not None:  # the user's loop called clip_grad_norm_ before step()
+            max_norm, user_norm, _ = user_clip
+            coef *= min(max_norm / (user_norm + 1e-6), 1.0)
+            norm *= coef * scale  # what the config's clipping below sees
         if self.clip > 0:
             # The coefficient torch.nn.utils.clip_grad_norm_ applies, on unscaled gradients.
             coef *= min(self.clip / (norm + 1e-6), 1.0)
@@ -329,6 +376,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"optimizer state was saved with {key}={meta[key]} but this "
                                  f"engine has {key}={value}; use engine.load_checkpoint(), which "
                                  "reshards")
+        if meta.get("rank", self.comm.rank) != self.comm.rank:
+            raise ValueError(
+                f"rank {self.comm.rank} was given the optimizer state of rank {meta['rank']}: "
+                "optimizer.state_dict() holds only the saving rank's shard, so a file saved on "
+                "one rank (e.g. `if master_process: torch.save(optimizer.state_dict())`) cannot "
+                "restore the others. Save with engine.save_checkpoint(dir) on every rank and "
+                "resume with engine.load_checkpoint(dir), or save each rank's state_dict to its "
+                "own file")
         if len(state_dict["param_groups"]) != len(self.param_groups):
             raise ValueError(f"optimizer state has {len(state_dict['param_groups'])} param groups,"
                              f" this optimizer has {len(self.param_groups)}")
