@@ -4,6 +4,7 @@ over micro-steps), or fails at once with an error naming the parameter and the f
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -117,3 +118,238 @@ def test_loading_another_ranks_optimizer_shard_is_refused():
     assert messages[0] is None
     assert "rank 1 was given the optimizer state of rank 0" in messages[1]
     assert "engine.load_checkpoint" in messages[1]
+
+
+# -- modules with buffers / recurrent state, trained by a plain loop ------------------------------
+class ConvBN(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv1d(3, 8, 3, bias=False)  # BN cancels a bias: its grad is noise
+        self.bn = torch.nn.BatchNorm1d(8)
+        self.lstm = torch.nn.LSTM(8, 6, batch_first=True)
+        self.out = torch.nn.Linear(6, 2)
+
+    def forward(self, x):
+        h = torch.relu(self.bn(self.conv(x)))  # (batch, 8, length)
+        y, _ = self.lstm(h.transpose(1, 2))
+        return self.out(y[:, -1])
+
+
+def bn_data(step: int, micro: int, rank: int):
+    g = torch.Generator().manual_seed(7_000 + 100 * step + 10 * micro + rank)
+    return torch.randn(4, 3, 9, generator=g) * (1 + rank), torch.randn(4, 2, generator=g)
+
+
+def bn_loop(stage: int, accumulation: int = 2):
+    import zeroengine
+    torch.manual_seed(0)
+    model = ConvBN()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    engine = zeroengine.initialize(model, {"zero_optimization": {
+        "stage": stage, "reduce_bucket_size": 64, "stage3_param_persistence_threshold": 0}},
+        optimizer=opt)
+    for step in range(STEPS):
+        for micro in range(accumulation):
+            x, y = bn_data(step, micro, engine.comm.rank)
+            (torch.nn.functional.mse_loss(model(x), y) / accumulation).backward()
+        opt.step()
+        opt.zero_grad()
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    state = engine.consolidated_state_dict()
+    engine.close()
+    return state, buffers
+
+
+def bn_reference(world: int, accumulation: int = 2):
+    """DDP: before every forward each rank takes rank 0's buffers; gradients as usual."""
+    torch.manual_seed(0)
+    model = ConvBN()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    rank0 = {k: v.clone() for k, v in model.named_buffers()}
+    last = {}
+    for step in range(STEPS):
+        for micro in range(accumulation):
+            for rank in range(world):
+                model.load_state_dict({**model.state_dict(), **rank0})
+                x, y = bn_data(step, micro, rank)
+                (torch.nn.functional.mse_loss(model(x), y) / (accumulation * world)).backward()
+                last[rank] = {k: v.clone() for k, v in model.named_buffers()}
+            rank0 = last[0]  # the ranks ran this micro-step side by side
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone().float() for k, v in model.state_dict().items()}, last
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_batchnorm_and_lstm_follow_ddp_buffer_semantics(stage):
+    results = run_ranks(2, bn_loop, stage)
+    expected, buffers = bn_reference(2)
+    for rank, (state, got_buffers) in enumerate(results):
+        trained = {k: v for k, v in state.items() if k in dict(ConvBN().named_parameters())}
+        err, where = max_relative_error(
+            trained, {k: expected[k] for k in trained})
+        assert err <= 1e-5, f"stage {stage} rank {rank}: {err:.2e} at {where}"
+        for k, v in buffers[rank].items():
+            assert torch.allclose(got_buffers[k].float(), v.float(), rtol=1e-5, atol=1e-7), \
+                f"stage {stage} rank {rank}: buffer {k}"
+
+
+# -- parameters replaced after initialize ----------------------------------------------------------
+def replaced(how: str):
+    import zeroengine
+    from zeroengine.drop_in import ParameterReplacedError
+    from zeroengine.sharded_param import ShardedParameterAccessError
+    model = make_model(0)
+    opt = make_optimizer("adamw", param_groups(model))
+    engine = zeroengine.initialize(model, {"zero_optimization": {
+        "stage": 3 if how.startswith("stage3") else 1, "stage3_param_persistence_threshold": 0}},
+        optimizer=opt)
+    try:
+        if how in ("to", "stage3-to"):
+            model.to("cpu:0")  # what the HF Trainer and accelerate do under torchrun on CPU
+        elif how in ("half", "stage3-half"):
+            model.half()
+        elif how == "new-parameter":
+            model.body[0].weight = torch.nn.Parameter(model.body[0].weight.detach().clone())
+        elif how == "new-values":
+            model.body[0].weight.data = model.body[0].weight.detach() + 1
+        for step in range(STEPS):
+            tokens, targets = batch(step, 0, engine.comm.rank)
+            loss_fn(model(tokens), targets).backward()
+            opt.step()
+            opt.zero_grad()
+    except (ParameterReplacedError, ShardedParameterAccessError) as err:
+        return str(err)
+    return engine.consolidated_state_dict()
+
+
+def test_parameters_replaced_after_initialize_are_rebound_or_refused_by_name():
+    expected, _ = ddp_reference(2, 1, 0.0)
+    for how in ("to", "stage3-to"):
+        for rank, state in enumerate(run_ranks(2, replaced, how)):
+            err, where = max_relative_error(state, expected)  # re-bound: trains as before
+            assert err <= 1e-5, f"{how} rank {rank}: {err:.2e} at {where}"
+    for how, words in (("half", ["'embed.weight'", "torch.float16", "bf16"]),
+                       ("new-parameter", ["'body.0.weight'", "another Parameter object"]),
+                       ("new-values", ["'body.0.weight'", "gathered_parameters"]),
+                       ("stage3-half", ["'embed.weight'", "stage 3", "half()"])):
+        for message in run_ranks(2, replaced, how):
+            assert isinstance(message, str), f"{how}: not refused"
+            for word in words:
+                assert word in message, (how, message)
+
+
+# -- the model wrapped in torch DDP on top of the engine (what the HF Trainer does) ---------------
+def wrapped_in_ddp(_):
+    import zeroengine
+    model = make_model(0)
+    engine = zeroengine.initialize(model, {"zero_optimization": {"stage": 2}},
+                                   optimizer=make_optimizer("adamw", param_groups(model)))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    try:
+        ddp(batch(0, 0, engine.comm.rank)[0])
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+def test_outer_ddp_wrapper_is_refused():
+    for message in run_ranks(2, wrapped_in_ddp, None):
+        assert message is not None and "DistributedDataParallel" in message
+        assert "without DDP" in message
+
+
+# -- stage 3 outside forward ------------------------------------------------------------------------
+def stage3_reads(_):
+    import copy
+
+    import zeroengine
+    from zeroengine.sharded_param import ShardedParameterAccessError
+    model = make_model(0)
+    opt = make_optimizer("adamw", param_groups(model))
+    engine = zeroengine.initialize(model, {"zero_optimization": {
+        "stage": 3, "stage3_param_persistence_threshold": 0}}, optimizer=opt)
+    tokens, targets = batch(0, 0, engine.comm.rank)
+    loss_fn(model(tokens), targets).backward()
+    opt.step()
+    w = model.body[0].weight
+    refused = {}
+    reads = {"sum": lambda: w.sum(), "clone": lambda: w.clone(), "norm": lambda: w.norm(),
+             "numpy": lambda: w.detach().numpy(), "deepcopy": lambda: copy.deepcopy(model),
+             "to-float64": lambda: w.to(torch.float64), "state_dict": lambda: model.state_dict(),
+             "print": lambda: repr(w), "data": lambda: w.data.sum()}
+    for what, read in reads.items():
+        try:
+            read()
+        except ShardedParameterAccessError as err:
+            refused[what] = str(err)
+    with zeroengine.gathered_parameters(model.parameters()):
+        inside = w.detach().clone()
+        ema = copy.deepcopy(model)  # the EMA pattern, where the values are there
+    full = engine.consolidated_state_dict()
+    metadata = (tuple(w.shape), w.dtype, w.requires_grad, w.grad is None,
+                isinstance(w, torch.nn.Parameter))
+    return refused, list(reads), inside, full["body.0.weight"], \
+        ema.body[0].weight.detach().clone(), metadata
+
+
+def test_stage3_reads_outside_forward_raise_by_name_or_give_true_values():
+    for refused, reads, inside, full, ema, metadata in run_ranks(2, stage3_reads, None):
+        assert sorted(refused) == sorted(reads), f"not refused: {set(reads) - set(refused)}"
+        for what, message in refused.items():
+            assert re.search(r"parameter '[\w.]+' is partitioned", message), (what, message)
+            assert "gathered_parameters" in message and "consolidated_state_dict" in message
+        assert torch.equal(inside, full) and torch.equal(ema, full)
+        assert metadata == ((17, 9), torch.float32, True, True, True)
+
+
+# -- modules that use a child's parameters without calling the child ------------------------------
+class AttentionNet(torch.nn.Module):
+    def __init__(self, dim=32):
+        super().__init__()
+        self.embed = torch.nn.Embedding(11, dim)
+        self.attn = torch.nn.MultiheadAttention(dim, 4, batch_first=True)
+        self.head = torch.nn.Linear(dim, 11)
+        self.scale = torch.nn.Parameter(torch.ones(dim))  # read by the root's own forward
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        a, _ = self.attn(h, h, h, need_weights=False)
+        return self.head((h + a) * self.scale)
+
+
+def attention_loop(stage: int):
+    import zeroengine
+    torch.manual_seed(0)
+    model = AttentionNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    engine = zeroengine.initialize(model, {"zero_optimization": {
+        "stage": stage, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 500}},
+        optimizer=opt)
+    for step in range(STEPS):
+        tokens, targets = batch(step, 0, engine.comm.rank)
+        loss_fn(model(tokens), targets).backward()
+        opt.step()
+        opt.zero_grad()
+    state = engine.consolidated_state_dict()
+    engine.close()
+    return state
+
+
+def test_multihead_attention_at_stage3_without_annotation():
+    """nn.MultiheadAttention reads out_proj.weight without calling out_proj; the root reads
+    its own parameter: both are gathered on demand, in forward and backward. (SGD: the key
+    bias's true gradient is zero, and Adam would turn its rounding noise into steps.)"""
+    torch.manual_seed(0)
+    model = AttentionNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        for rank in range(2):
+            tokens, targets = batch(step, 0, rank)
+            (loss_fn(model(tokens), targets) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    expected = {k: v.detach().float() for k, v in model.state_dict().items()}
+    for rank, state in enumerate(run_ranks(2, attention_loop, 3)):
+        err, where = max_relative_error(state, expected)
+        assert err <= 1e-5, f"rank {rank}: {err:.2e} at {where}"

@@ -189,6 +189,10 @@ class Config:
         "decides it: 'raise' (an error naming the step and the first such parameter, on every "
         "rank) or 'skip' (the step is skipped on every rank and counted in skipped_steps).",
         choices=("raise", "skip"))
+    broadcast_buffers: bool = option(
+        True, "Before each forward with gradients enabled, every rank takes rank 0's module "
+        "buffers (BatchNorm running statistics), as torch DDP does by default "
+        "(DistributedDataParallel(broadcast_buffers=True)); false: each rank keeps its own.")
     optimizer: Optional[OptimizerConfig] = option(None, "Optimizer built by initialize() when "
                                                   "none is passed in.")
     scheduler: Optional[SchedulerConfig] = option(None, "Learning-rate scheduler built by "

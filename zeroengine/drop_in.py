@@ -107,3 +107,92 @@ def install() -> None:
         module.clip_grad_norm_ = clip_grad_norm_
     _clip_module._clip_grads_with_norm_ = _clip_grads_with_norm_
     torch.nn.utils.clip_grads_with_norm_ = _clip_grads_with_norm_
+
+
+class ParameterReplacedError(RuntimeError):
+    """A parameter the engine manages was replaced or re-pointed after initialize()."""
+
+
+class ForwardGuard:
+    """Runs before every forward of the wrapped model: refuses an outer DistributedDataParallel,
+    re-binds or refuses parameters replaced since initialize(), and broadcasts rank 0's buffers
+    as DDP does (``broadcast_buffers``)."""
+
+    def __init__(self, module: torch.nn.Module, flat_groups, broadcast=None):
+        """``broadcast(tensors)``: sends rank 0's values of the tensors to every rank, or None
+        to leave buffers alone."""
+        self.module = module
+        self.broadcast = broadcast
+        self.names = dict(module.named_parameters(remove_duplicate=False))
+        self.where = {}  # id(param) -> (its flat group, index in it)
+        for fg in flat_groups:
+            for i, p in enumerate(fg.params):
+                self.where[id(p)] = (fg, i)
+        self.managed = [(name, p) for name, p in module.named_parameters()
+                        if id(p) in self.where]
+        self.storage = {id(p): p.untyped_storage()._cdata for _, p in self.managed}
+        self.hook = module.register_forward_pre_hook(self, prepend=True)
+
+    def __call__(self, module, args):
+        self.refuse_outer_ddp()
+        self.check_parameters()
+        if self.broadcast is not None and torch.is_grad_enabled():
+            buffers = [b for b in module.buffers()]
+            if buffers:
+                self.broadcast(buffers)
+
+    def refuse_outer_ddp(self) -> None:
+        ddp = torch.nn.parallel.DistributedDataParallel._active_ddp_module
+        if ddp is not None and any(m is self.module for m in ddp.module.modules()):
+            raise RuntimeError(
+                "the model zeroengine manages is wrapped in torch's DistributedDataParallel, "
+                "which reduces the gradients a second time (the Hugging Face Trainer and "
+                "accelerate wrap a model this way when they see several processes). zeroengine "
+                "already does the data-parallel work: call the model (or engine) directly, "
+                "without DDP, or let a zeroengine integration drive the framework")
+
+    def check_parameters(self) -> None:
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            expected = self.names.get(name)
+            if expected is not None and p is not expected and id(expected) in self.where:
+                raise ParameterReplacedError(
+                    f"parameter {name!r} was replaced by another Parameter object after "
+                    "zeroengine.initialize() (e.g. `module.weight = nn.Parameter(...)` or "
+                    "load_state_dict(..., assign=True)); the engine would keep training the "
+                    "old one. Change values in place (torch.no_grad() + copy_, inside "
+                    "zeroengine.gathered_parameters(..., modifier_rank=0) at stage 3), or build "
+                    "the model fully before initialize()")
+        for name, p in self.managed:
+            if p.untyped_storage()._cdata != self.storage[id(p)]:
+                self._rebind(name, p)
+
+    def _rebind(self, name: str, p: torch.nn.Parameter) -> None:
+        """``p.data`` was re-pointed (model.to(), .half(), a framework's prepare): take it back
+        into the flat buffer when it is the same values, else refuse by name."""
+        fg, i = self.where[id(p)]
+        how = ("(by model.to(...), .half()/.float(), or a framework that moves the model, "
+               "such as accelerate's prepare or the Hugging Face Trainer)")
+        if fg.partitioned:
+            raise ParameterReplacedError(
+                f"parameter {name!r} was re-pointed to new memory after zeroengine.initialize() "
+                f"{how}; at stage 3 it lives in shards the engine gathers. Move or cast the "
+                "model before initialize(); for bf16/fp16 set \"bf16\"/\"fp16\" in the config")
+        view = fg.full.param_view(i)
+        if p.dtype != view.dtype or p.device != view.device or p.shape != view.shape:
+            raise ParameterReplacedError(
+                f"parameter {name!r} was changed to {p.dtype} on {p.device} after "
+                f"zeroengine.initialize() {how}, but the engine trains it as {view.dtype} on "
+                f"{view.device}. Move or cast the model before initialize(); for mixed precision "
+                "set \"bf16\": {\"enabled\": true} (or fp16) in the config instead of .half()")
+        with torch.no_grad():
+            if not torch.equal(p.data, view):
+                raise ParameterReplacedError(
+                    f"parameter {name!r} was given new memory holding other values after "
+                    "zeroengine.initialize(); the engine's copy (and its fp32 master) would "
+                    "not see them. Write values in place inside "
+                    "zeroengine.gathered_parameters(params, modifier_rank=0), or load them "
+                    "with engine.load_checkpoint()")
+        p.data = view  # a plain copy (model.to() onto the same device): same values, rebind
+
+    def remove(self) -> None:
+        self.hook.remove()

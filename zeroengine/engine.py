@@ -13,7 +13,7 @@ import torch.nn as nn
 from .buckets import GradReducer
 from .comm import Comm
 from .config import Config
-from .drop_in import redirect_optimizer, register_parameters, unregister_parameters
+from .drop_in import ForwardGuard, redirect_optimizer, register_parameters, unregister_parameters
 from .flat import bucket_params
 from .ops import flatten_into, unflatten_from
 from .offload import OptimizerOffload
@@ -82,6 +82,9 @@ class ZeroEngine:
         # clip_grad_norm_ reach the sharded step (drop_in.py)
         redirect_optimizer(optimizer, self.optimizer)
         register_parameters(self._managed_params(), self.optimizer)
+        broadcast = config.broadcast_buffers and comm.world_size > 1
+        self.guard = ForwardGuard(module, self.flat_groups,
+                                  self._broadcast_from_rank0 if broadcast else None)
         self.lr_scheduler = lr_scheduler
         if lr_scheduler is not None and hasattr(lr_scheduler, "optimizer"):
             lr_scheduler.optimizer = self.optimizer
@@ -150,18 +153,23 @@ class ZeroEngine:
     def close(self) -> None:
         """Remove every hook the engine put on the model and its parameters."""
         unregister_parameters(self._managed_params())
+        self.guard.remove()
         self.reducer.remove_hooks()
         unregister_whole(self.flat_groups)
         if self.fetcher is not None:
             self.fetcher.remove_hooks()
 
-    def _broadcast_module_state(self, max_numel: int = 1 << 22) -> None:
-        """Rank 0's parameters and buffers to every rank, a few large broadcasts per dtype."""
+    def _broadcast_module_state(self) -> None:
+        """Rank 0's parameters and buffers to every rank."""
+        # zero_init parameters already hold rank 0's values, sharded
+        self._broadcast_from_rank0([t.data for t in list(self.module.parameters())
+                                    + list(self.module.buffers()) if not is_sharded(t)])
+
+    def _broadcast_from_rank0(self, tensors: list[torch.Tensor],
+                              max_numel: int = 1 << 22) -> None:
+        """Rank 0's values of ``tensors`` to every rank, a few large broadcasts per dtype."""
         if self.comm.world_size == 1:
             return
-        # zero_init parameters already hold rank 0's values, sharded
-        tensors = [t.data for t in list(self.module.parameters()) + list(self.module.buffers())
-                   if not is_sharded(t)]
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t)

@@ -29,6 +29,7 @@ import torch.nn as nn
 
 from .comm import Comm, Handle
 from .partition import FlatParamGroup
+from .sharded_param import ShardedParameterAccessError, mark_sharded, unmark_sharded
 
 Key = tuple[int, int]  # (index of the partitioned group, segment)
 
@@ -75,15 +76,21 @@ class ParamFetcher:
         for param_id in where:
             _FETCHER_OF[param_id] = self
         self._hooks = []
+        self.root = module
         self.module_keys: dict[nn.Module, list[Key]] = {}
         for mod in module.modules():
             keys = sorted({where[id(p)] for p in mod.parameters(recurse=False)
                            if id(p) in where})
-            if keys:
+            # The root always: a parameter read in its own forward code is gathered for it.
+            if keys or mod is module:
                 self.module_keys[mod] = keys
                 self._hooks.append(mod.register_forward_pre_hook(self._pre_forward))
                 self._hooks.append(mod.register_forward_hook(self._post_forward))
         self._hooks.append(module.register_forward_hook(self._after_root_forward))
+        self._running: list[nn.Module] = []  # hooked modules whose forward is running
+        for name, p in module.named_parameters():
+            if id(p) in where:
+                mark_sharded(p, self)
         # The first step records the order of first requests, per phase (backward runs the
         # other way); later steps prefetch along it.
         self._recording: dict[str, _Order] | None = {"forward": _Order(), "backward": _Order()}
@@ -100,12 +107,15 @@ class ParamFetcher:
 
     # -- module hooks ------------------------------------------------------------------------
     def _pre_forward(self, module, args):
+        self._running.append(module)
         self.acquire(self.module_keys[module])
 
     def _post_forward(self, module, args, output):
+        if self._running and self._running[-1] is module:
+            self._running.pop()
         keys = self.module_keys[module]
         self.release(keys)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and keys:
             # The gradient of an output exists just before the module's own backward runs.
             # A plain tensor hook survives later in-place ops on the output (it then sees the
             # gradient of the pre-in-place value), which a custom autograd Function would not.
@@ -114,9 +124,36 @@ class ParamFetcher:
                     t.register_hook(lambda grad, keys=keys: self.gather_for_backward(keys))
 
     def _after_root_forward(self, module, args, output):
+        self._running.clear()  # a forward that raised inside never ran its post hooks
         self._reached["forward"] = -1
         if not torch.is_grad_enabled():  # no backward follows: drop unused prefetches now
             self.release_unheld()
+
+    def read_released(self, param: torch.Tensor, what: str) -> None:
+        """A torch call (``what``) reads a partitioned parameter whose segment is not gathered
+        (sharded_param.py). Inside the model's forward - which every rank runs alike - gather
+        it for the module running now and remember it as that module's, so it is gathered with
+        the module's own parameters from then on and again for its backward (a module using a
+        child's weight without calling the child, e.g. nn.MultiheadAttention's out_proj).
+        Anywhere else, refuse by name."""
+        key = self.where[id(param)]
+        if not self._running:
+            name = self._param_names.get(id(param), tuple(param.shape))
+            raise ShardedParameterAccessError(
+                f"parameter {name!r} is partitioned by ZeRO stage 3 and not gathered here "
+                f"({what} outside the model's forward): its values live sharded across the "
+                "ranks. Read or change it inside `with zeroengine.gathered_parameters(params, "
+                "modifier_rank=...)` (every rank enters it), take a full state dict with "
+                "engine.consolidated_state_dict() (model.state_dict() cannot hold sharded "
+                "values), or keep small parameters whole with zero_optimization."
+                "stage3_param_persistence_threshold")
+        module = self._running[-1]
+        keys = self.module_keys[module]
+        if key not in keys:
+            keys.append(key)  # the same list _post_forward releases and backward re-gathers
+            self.acquire([key])
+        else:  # held by this module but freed under it (should not happen): gather again
+            self._ready(key)
 
     # -- gather / release ----------------------------------------------------------------------
     def _segment_numel(self, key: Key) -> int:
@@ -286,6 +323,9 @@ class ParamFetcher:
         for param_id in self.where:
             if _FETCHER_OF.get(param_id) is self:
                 del _FETCHER_OF[param_id]
+        for g in self.groups:
+            for p in g.params:
+                unmark_sharded(p)
 
 
 # Which fetcher partitions a parameter (by id), for gathered_parameters().
