@@ -353,3 +353,106 @@ def test_multihead_attention_at_stage3_without_annotation():
     for rank, state in enumerate(run_ranks(2, attention_loop, 3)):
         err, where = max_relative_error(state, expected)
         assert err <= 1e-5, f"rank {rank}: {err:.2e} at {where}"
+
+
+# -- rank-divergent work at stage 3 -----------------------------------------------------------------
+def diverge(pattern: str):
+    import time
+
+    import zeroengine
+    from zeroengine.stage3 import RankDivergenceError
+    model = make_model(0)
+    opt = make_optimizer("adamw", param_groups(model))
+    engine = zeroengine.initialize(model, {"zero_optimization": {
+        "stage": 3, "stage3_param_persistence_threshold": 0}}, optimizer=opt)
+    rank = engine.comm.rank
+    start = time.monotonic()
+    try:
+        for step in range(2):
+            if step == 1 and rank == 0:  # nanoGPT: `if master_process: estimate_loss()`
+                model.eval()
+                with torch.no_grad():
+                    model(batch(9, 0, 0)[0])
+                    if pattern == "generate":
+                        model(batch(9, 1, 0)[0])
+                model.train()
+            tokens, targets = batch(step, 0, rank)
+            loss_fn(model(tokens), targets).backward()
+            opt.step()
+            opt.zero_grad()
+    except RankDivergenceError as err:
+        return str(err), time.monotonic() - start
+    return None, None
+
+
+@pytest.mark.parametrize("pattern", ["estimate_loss", "generate"])
+def test_rank_divergence_at_stage3_fails_fast_on_every_rank(pattern):
+    for rank, (message, seconds) in enumerate(run_ranks(2, diverge, pattern, timeout=120)):
+        assert message is not None, f"rank {rank} did not notice"
+        assert "rank 0:" in message and "without gradients" in message and "rank 1:" in message
+        assert "a forward" in message and seconds < 30
+
+
+class Experts(torch.nn.Module):
+    """Each input runs through one expert chosen by its data: ranks run different experts."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(9, 9) for _ in range(3))
+
+    def forward(self, h, choice: int):
+        return self.experts[choice](h)
+
+
+class MoENet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(11, 9)
+        self.moe = Experts()
+        self.head = torch.nn.Linear(9, 11)
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        return self.head(self.moe(h, int(tokens[0, 0]) % 3))
+
+
+def moe_loop(leaf: bool):
+    import zeroengine
+    from zeroengine.stage3 import RankDivergenceError
+    torch.manual_seed(0)
+    model = MoENet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    engine = zeroengine.initialize(model, {"zero_optimization": {
+        "stage": 3, "stage3_param_persistence_threshold": 0,
+        "stage3_leaf_modules": ["Experts"] if leaf else []}}, optimizer=opt)
+    try:
+        for step in range(STEPS):
+            tokens, targets = batch(step, 0, engine.comm.rank)
+            loss_fn(model(tokens), targets).backward()
+            opt.step()
+            opt.zero_grad()
+    except RankDivergenceError as err:
+        return str(err)
+    return engine.consolidated_state_dict()
+
+
+def test_moe_experts_on_some_ranks_need_leaf_modules_and_then_match():
+    torch.manual_seed(0)
+    model = MoENet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        for rank in range(2):
+            tokens, targets = batch(step, 0, rank)
+            (loss_fn(model(tokens), targets) / 2).backward()
+        for p in model.parameters():  # an expert no rank ran: a zero gradient, as in DDP
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad()
+    expected = {k: v.detach().float() for k, v in model.state_dict().items()}
+    for rank, state in enumerate(run_ranks(2, moe_loop, True)):
+        err, where = max_relative_error(state, expected)
+        assert err <= 1e-5, f"rank {rank}: {err:.2e} at {where}"
+    for message in run_ranks(2, moe_loop, False):  # without the setting: a named failure
+        assert isinstance(message, str) and "moe.experts" in message, message
+        assert "stage3_leaf_modules" in message

@@ -375,8 +375,8 @@ class Comm:
                            lambda a: self._all_gather_any(output, input, a))
 
     def _all_gather_any(self, output: torch.Tensor, input: torch.Tensor,
-                        async_op: bool) -> Handle:
-        self._count("all_gather", output.numel() * output.element_size(), 1.0)
+                        async_op: bool, kind: str = "all_gather") -> Handle:
+        self._count(kind, output.numel() * output.element_size(), 1.0)
         if self._all_gather is not None:
             try:
                 return Handle(self._all_gather(output, input, group=self.group,
@@ -393,6 +393,17 @@ class Comm:
         self._count("broadcast", tensor.numel() * tensor.element_size(), 1.0)
         self._issue("broadcast", what, "", [tensor], False, lambda _: Handle(
             dist.broadcast(tensor, src=src, group=self.group)))
+
+    def gather_ints(self, values: list[int], device, what="") -> list[list[int]]:
+        """Every rank's ``values`` (same length everywhere), synchronously: a tiny all-gather
+        for cross-rank checks, counted apart from the model's traffic (kind "rank_check")."""
+        if self.world_size == 1:
+            return [list(values)]
+        mine = torch.tensor(values, dtype=torch.int64, device=device)
+        out = torch.empty(self.world_size * len(values), dtype=torch.int64, device=device)
+        self._issue("all_gather", what, "", [out, mine], False,
+                    lambda a: self._all_gather_any(out, mine, a, kind="rank_check"))
+        return out.view(self.world_size, len(values)).tolist()
 
     def all_gather_object(self, obj) -> list:
         if self.world_size == 1:

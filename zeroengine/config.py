@@ -98,6 +98,17 @@ class ZeroConfig:
     stage3_param_persistence_threshold: int = option(100_000, "Stage 3: parameters with fewer "
                                                      "elements stay whole on every rank.", lo=0,
                                                      auto=True)
+    stage3_check_gather_order: bool = option(
+        True, "Stage 3: before each parameter all-gather the ranks compare what they are about "
+        "to gather (a 4-integer all-gather), so ranks that run different passes (evaluation or "
+        "generate() on rank 0 only, a branch taken on one rank) fail at once with an error "
+        "saying what each rank was gathering, instead of a collective size mismatch or a hang. "
+        "false: skip the check (one small collective per gather saved).")
+    stage3_leaf_modules: list = option(
+        [], "Stage 3: module class names (e.g. \"MixtralSparseMoeBlock\") fetched as one unit: "
+        "entering such a module gathers every parameter under it, and its children are not "
+        "fetched on their own. For MoE-style blocks whose experts run on some ranks only "
+        "(DeepSpeed's set_z3_leaf_modules), so that every rank gathers the same parameters.")
     stage3_max_live_parameters: int = option(1_000_000_000, "Stage 3: most gathered elements "
                                              "alive at once.", lo=0)
     stage3_max_reuse_distance: int = option(1_000_000_000, "Stage 3: keep a gathered parameter "
@@ -251,7 +262,7 @@ UNSUPPORTED: dict[str, str] = {
 # -- parsing ---------------------------------------------------------------------------------
 def _type_name(t) -> str:
     return {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
-            dict: "an object"}.get(t, getattr(t, "__name__", str(t)))
+            dict: "an object", list: "a list of strings"}.get(t, getattr(t, "__name__", str(t)))
 
 
 def _range_text(meta, t) -> str:
@@ -285,6 +296,8 @@ def _coerce(value, t, path: str, meta) -> Any:
         ok = isinstance(value, str)
     elif t is dict:
         ok = isinstance(value, dict)
+    elif t is list:
+        ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
     else:
         raise TypeError(f"schema type {t} at {path}")
     if not ok:

@@ -118,11 +118,14 @@ class ForwardGuard:
     re-binds or refuses parameters replaced since initialize(), and broadcasts rank 0's buffers
     as DDP does (``broadcast_buffers``)."""
 
-    def __init__(self, module: torch.nn.Module, flat_groups, broadcast=None):
+    def __init__(self, module: torch.nn.Module, flat_groups, broadcast=None,
+                 check_ranks=None):
         """``broadcast(tensors)``: sends rank 0's values of the tensors to every rank, or None
-        to leave buffers alone."""
+        to leave buffers alone. ``check_ranks()``: a collective check that every rank starts
+        the same kind of forward (stage 3, where every forward is collective), run first."""
         self.module = module
         self.broadcast = broadcast
+        self.check_ranks = check_ranks
         self.names = dict(module.named_parameters(remove_duplicate=False))
         self.where = {}  # id(param) -> (its flat group, index in it)
         for fg in flat_groups:
@@ -136,6 +139,8 @@ class ForwardGuard:
     def __call__(self, module, args):
         self.refuse_outer_ddp()
         self.check_parameters()
+        if self.check_ranks is not None:
+            self.check_ranks()
         if self.broadcast is not None and torch.is_grad_enabled():
             buffers = [b for b in module.buffers()]
             if buffers:

@@ -55,7 +55,9 @@ class ZeroEngine:
         if partitioned:
             self.fetcher = ParamFetcher(module, partitioned, comm,
                                         prefetch_numel=zero.stage3_prefetch_bucket_size,
-                                        max_live_numel=zero.stage3_max_live_parameters)
+                                        max_live_numel=zero.stage3_max_live_parameters,
+                                        check_order=zero.stage3_check_gather_order,
+                                        leaf_modules=zero.stage3_leaf_modules)
         self.reducer = GradReducer(
             self.flat_groups, comm, self.stage, self.gradient_accumulation_steps,
             overlap=zero.overlap_comm, reduce_scatter=zero.reduce_scatter, param_order=order,
@@ -83,8 +85,10 @@ class ZeroEngine:
         redirect_optimizer(optimizer, self.optimizer)
         register_parameters(self._managed_params(), self.optimizer)
         broadcast = config.broadcast_buffers and comm.world_size > 1
-        self.guard = ForwardGuard(module, self.flat_groups,
-                                  self._broadcast_from_rank0 if broadcast else None)
+        self.guard = ForwardGuard(
+            module, self.flat_groups, self._broadcast_from_rank0 if broadcast else None,
+            check_ranks=self.fetcher.check_forward_start
+            if self.fetcher is not None and self.fetcher.check_order else None)
         self.lr_scheduler = lr_scheduler
         if lr_scheduler is not None and hasattr(lr_scheduler, "optimizer"):
             lr_scheduler.optimizer = self.optimizer

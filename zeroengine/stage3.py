@@ -33,6 +33,17 @@ from .sharded_param import ShardedParameterAccessError, mark_sharded, unmark_sha
 
 Key = tuple[int, int]  # (index of the partitioned group, segment)
 
+# Why a segment is gathered, as the gather-order check compares it across ranks.
+_FORWARD, _FORWARD_NO_GRAD, _BACKWARD, _USER, _REFRESH = range(5)
+_NO_KEY = (-1, -1)  # the check at the start of a forward, before any segment
+_PURPOSES = {_FORWARD: "a forward", _FORWARD_NO_GRAD: "a forward without gradients "
+             "(evaluation, generation)", _BACKWARD: "a backward",
+             _USER: "a gathered_parameters block", _REFRESH: "the refresh after a step"}
+
+
+class RankDivergenceError(RuntimeError):
+    """Stage-3 ranks were about to gather different parameters: they run different code."""
+
 
 @dataclass
 class _Gathered:
@@ -60,8 +71,11 @@ class _Order:
 
 class ParamFetcher:
     def __init__(self, module: nn.Module, groups: list[FlatParamGroup], comm: Comm,
-                 prefetch_numel: int = 50_000_000, max_live_numel: int = 1_000_000_000):
+                 prefetch_numel: int = 50_000_000, max_live_numel: int = 1_000_000_000,
+                 check_order: bool = True, leaf_modules=()):
         self.groups = groups
+        self.check_order = check_order and comm.world_size > 1
+        self._checks = 0  # gathers compared across ranks so far
         self.comm = comm
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
@@ -78,8 +92,8 @@ class ParamFetcher:
         self._hooks = []
         self.root = module
         self.module_keys: dict[nn.Module, list[Key]] = {}
-        for mod in module.modules():
-            keys = sorted({where[id(p)] for p in mod.parameters(recurse=False)
+        for mod, leaf in _fetch_units(module, set(leaf_modules)):
+            keys = sorted({where[id(p)] for p in mod.parameters(recurse=leaf)
                            if id(p) in where})
             # The root always: a parameter read in its own forward code is gathered for it.
             if keys or mod is module:
@@ -159,9 +173,11 @@ class ParamFetcher:
     def _segment_numel(self, key: Key) -> int:
         return self.groups[key[0]].layout.segments[key[1]].numel
 
-    def _start(self, key: Key, prefetch: bool = False) -> _Gathered:
+    def _start(self, key: Key, prefetch: bool = False, user: bool = False) -> _Gathered:
         gi, s = key
         g = self.groups[gi]
+        if self.check_order:
+            self._check_same_gather(key, _USER if user else self._purpose())
         full = g.segment_full[s]
         full.untyped_storage().resize_(full.numel() * full.element_size())
         # CUDA: prefetches complete on their own side stream, tracked apart from on-demand
@@ -174,6 +190,38 @@ class ParamFetcher:
         self.gathers += 1
         return entry
 
+    def _purpose(self) -> int:
+        if self._phase == "backward":
+            return _BACKWARD
+        return _FORWARD if torch.is_grad_enabled() else _FORWARD_NO_GRAD
+
+    def check_forward_start(self) -> None:
+        """Before the model's forward (and its buffer broadcast): every rank starts the same
+        kind of forward. Catches rank-0-only evaluation before any collective can mismatch."""
+        self._check_same_gather(_NO_KEY, self._purpose())
+
+    def _check_same_gather(self, key: Key, purpose: int) -> None:
+        """Every rank must be about to gather the same segment for the same purpose (each
+        gather is a collective); compare before the gather itself, so ranks that diverged fail
+        here, all of them, with what each was doing."""
+        self._checks += 1
+        device = self.groups[0].device
+        rows = self.comm.gather_ints([self._checks, key[0], key[1], purpose], device,
+                                     what="the stage-3 gather-order check")
+        if all(row == rows[0] for row in rows):
+            return
+        doing = "; ".join(
+            f"rank {r}: " + ("starting" if (gi, s) == _NO_KEY else
+                             f"gathering {self._names_of((gi, s))} for")
+            + f" {_PURPOSES.get(p, '?')} (check #{n})" for r, (n, gi, s, p) in enumerate(rows))
+        raise RankDivergenceError(
+            f"stage-3 ranks diverged: {doing}. "
+            "At stage 3 every forward and backward is collective: each rank must run the same "
+            "passes of the model in the same order. Run evaluation and generate() on every rank "
+            "(each on its own data), not on rank 0 only; for rank-0-only work take the weights "
+            "with engine.consolidated_state_dict() into a separate model; for MoE-style blocks "
+            "that run on some ranks only, list them in zero_optimization.stage3_leaf_modules")
+
     def _names_of(self, key: Key) -> str:
         """The parameters of a segment, for error messages: 'a.weight' or 'a.weight .. b.bias
         (n)'."""
@@ -184,10 +232,10 @@ class ParamFetcher:
             return f"(segment {key[1]})"
         return names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} ({len(names)})"
 
-    def _ready(self, key: Key) -> _Gathered:
+    def _ready(self, key: Key, user: bool = False) -> _Gathered:
         entry = self.gathered.get(key)
         if entry is None:
-            entry = self._start(key)
+            entry = self._start(key, user=user)
         elif entry.handle is not None:
             self.prefetch_hits += 1  # requested while its prefetched all-gather was under way
         if entry.handle is not None:
@@ -206,7 +254,7 @@ class ParamFetcher:
     def acquire(self, keys: list[Key], user: bool = False) -> None:
         """Gather ``keys`` (if needed) and hold them until ``release``."""
         for key in keys:
-            entry = self._ready(key)
+            entry = self._ready(key, user)
             if user:
                 entry.user_refs += 1
             else:
@@ -279,6 +327,8 @@ class ParamFetcher:
             if entry.handle is not None:
                 entry.handle.wait()
             g = self.groups[key[0]]
+            if self.check_order:
+                self._check_same_gather(key, _REFRESH)
             # synchronous: user code holding the segment reads the parameters directly
             self.comm.all_gather(g.segment_full[key[1]], g.chunk_on_device(key[1]))
             entry.handle = None
@@ -326,6 +376,29 @@ class ParamFetcher:
         for g in self.groups:
             for p in g.params:
                 unmark_sharded(p)
+
+
+def _fetch_units(root: nn.Module, leaf_names: set[str]):
+    """(module, is_leaf) for every module that fetches parameters: all of them, except that
+    a module whose class is named in ``leaf_names`` fetches its whole subtree and its
+    descendants fetch nothing."""
+    found, seen = set(), set()
+    stack = [root]
+    while stack:
+        mod = stack.pop()
+        if id(mod) in seen:  # a module reachable twice fetches once
+            continue
+        seen.add(id(mod))
+        leaf = type(mod).__name__ in leaf_names
+        if leaf:
+            found.add(type(mod).__name__)
+        yield mod, leaf
+        if not leaf:
+            stack.extend(reversed(list(mod.children())))
+    missing = leaf_names - found
+    if missing:
+        raise ValueError(f"zero_optimization.stage3_leaf_modules names {sorted(missing)}, but "
+                         "the model has no module of such a class")
 
 
 # Which fetcher partitions a parameter (by id), for gathered_parameters().
