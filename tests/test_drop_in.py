@@ -456,3 +456,19 @@ def test_moe_experts_on_some_ranks_need_leaf_modules_and_then_match():
     for message in run_ranks(2, moe_loop, False):  # without the setting: a named failure
         assert isinstance(message, str) and "moe.experts" in message, message
         assert "stage3_leaf_modules" in message
+
+
+def test_stage3_says_when_the_persistence_threshold_keeps_the_model_whole(monkeypatch):
+    import warnings
+
+    import zeroengine
+    for key in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3}}
+    with pytest.warns(UserWarning, match="stage3_param_persistence_threshold=100,000"):
+        zeroengine.initialize(make_model(0), config).close()
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        zeroengine.initialize(make_model(0), config).close()

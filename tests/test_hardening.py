@@ -175,3 +175,25 @@ def test_wrong_type_optimizer_is_refused():
     model = make_model()
     with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer, got dict"):
         zeroengine.initialize(model, BASE, optimizer={"lr": 0.1})
+
+
+def test_rank_stopped_by_its_launcher_says_so():
+    """torchrun stops the other ranks with SIGTERM when one fails: the stopped rank's log
+    names the rank, the signal and where it was, and it still dies of that signal."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from zeroengine.local_ranks import free_port
+    code = ("import time, zeroengine; zeroengine.init_distributed(); print('ready', flush=True); "
+            "time.sleep(60)")
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGTERM
+    assert "rank 0 stopped by SIGTERM from outside" in err and "in <module>" in err, err

@@ -57,7 +57,7 @@ def test_metrics_go_to_jsonl_and_tensorboard(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from zeroengine.train_job import MetricsWriter
-    writer = MetricsWriter(tmp_path, resume=False)
+    writer = MetricsWriter(tmp_path)
     for step in (1, 2):
         writer.write({"step": step, "loss": 3.0 / step, "model_state_mb_per_rank": [1.5, 2.5],
                       **({"val_loss": 2.0} if step == 2 else {})})
@@ -79,3 +79,20 @@ def test_minimal_example_loop_runs():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "ZeRO stage 2, world size 1" in out.stdout and "step    1  loss" in out.stdout, \
         out.stdout
+
+
+def test_resumed_metrics_hold_each_step_once(tmp_path):
+    """A run that stopped at step 4 after its step-2 checkpoint resumes at 2: steps 3-4 run
+    again, and their old rows go."""
+    from zeroengine.train_job import MetricsWriter
+    writer = MetricsWriter(tmp_path)
+    for step in (1, 2, 3, 4):
+        writer.write({"step": step, "loss": 1.0})
+    writer.close()
+    writer = MetricsWriter(tmp_path, resumed_at=2)
+    writer.write({"step": 3, "loss": 0.5})
+    writer.close()
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 1.0), (3, 0.5)]
+    MetricsWriter(tmp_path).close()  # a fresh run starts empty
+    assert (tmp_path / "metrics.jsonl").read_text() == ""

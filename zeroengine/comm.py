@@ -19,6 +19,7 @@ from typing import Callable, NoReturn
 import torch
 import torch.distributed as dist
 
+from . import stop_report
 from .launch_env import LaunchEnv, read_launch_env
 
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
@@ -47,6 +48,7 @@ def init_distributed(timeout_s: float | None = None) -> LaunchEnv:
     env = read_launch_env(os.environ)
     if env.launcher == "none":
         return env
+    stop_report.install(env.rank)  # a rank its launcher stops says so in its log
     backend = default_backend()
     if backend == "nccl":
         torch.cuda.set_device(env.local_rank)

@@ -7,6 +7,8 @@ during backward, ShardedOptimizer (optim.py) steps the shard and re-gathers para
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn as nn
 
@@ -52,6 +54,8 @@ class ZeroEngine:
         self.fetcher = None
         register_whole([fg for fg in self.flat_groups if not fg.partitioned], comm)
         partitioned = [fg for fg in self.flat_groups if fg.partitioned]
+        if self.stage == 3:
+            self._report_persistence(partitioned)
         if partitioned:
             self.fetcher = ParamFetcher(module, partitioned, comm,
                                         prefetch_numel=zero.stage3_prefetch_bucket_size,
@@ -146,6 +150,20 @@ class ZeroEngine:
                                                  offload_master=self.offload_optimizer,
                                                  pin=self._pin))
         return groups
+
+    def _report_persistence(self, partitioned: list[FlatParamGroup]) -> None:
+        """Stage 3 keeps parameters under stage3_param_persistence_threshold whole on every
+        rank: say so when that is most of the model, which a small model hits by default."""
+        whole = sum(fg.layout.used_numel for fg in self.flat_groups if not fg.partitioned)
+        split = sum(fg.layout.used_numel for fg in partitioned)
+        if whole > split and self.comm.rank == 0:
+            limit = self.config.zero_optimization.stage3_param_persistence_threshold
+            warnings.warn(
+                f"stage 3 partitions {split:,} of the model's {whole + split:,} trainable "
+                f"elements: parameters under stage3_param_persistence_threshold={limit:,} "
+                f"elements ({whole:,} elements) stay whole on every rank, so this run holds "
+                "more parameter memory per rank than stage 3 promises. Lower the threshold "
+                "(e.g. 0) to partition them too", stacklevel=4)
 
     def _segment_done(self, group: FlatParamGroup, segment: int) -> None:
         if group.partitioned:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import sysconfig
 import time
@@ -127,10 +128,19 @@ class MetricsWriter:
     """Rank 0's metrics: one JSON object per step in metrics.jsonl and, when the tensorboard
     package is installed, the same numbers as TensorBoard scalars under <run>/tensorboard."""
 
-    def __init__(self, run_dir: Path, resume: bool):
+    def __init__(self, run_dir: Path, resumed_at: int | None = None):
+        """``resumed_at``: the step the run resumed from (None: a fresh run, the file starts
+        empty). Rows after it are dropped: the steps after the checkpoint run again and write
+        their rows anew, so the file never holds a step twice."""
         self.path = run_dir / "metrics.jsonl"
-        if not resume and self.path.exists():
-            self.path.unlink()
+        if self.path.exists():
+            kept = []
+            if resumed_at is not None:
+                kept = [line for line in self.path.read_text().splitlines(keepends=True)
+                        if line.strip() and json.loads(line).get("step", 0) <= resumed_at]
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(kept))
+            os.replace(tmp, self.path)
         self.file = open(self.path, "a")
         self.board = None
         try:
@@ -191,7 +201,8 @@ def run(config_path: str, resume: bool = False, steps: int | None = None,
              num_params(model) / 1e6,
              engine.stage, str(engine.precision.compute).replace("torch.", ""), world, micro,
              gpt.context, accumulation, len(train) / 1e6, len(val) / 1e6)
-    metrics = MetricsWriter(run_dir, resume) if rank == 0 else None
+    metrics = MetricsWriter(run_dir, engine.global_steps if resume else None) \
+        if rank == 0 else None
     progress = Progress(rank, engine.global_steps, job.steps, cfg.steps_per_print)
     tokens_per_step = micro * gpt.context * accumulation * world
     last = {}
