@@ -26,6 +26,7 @@ from zeroengine.local_ranks import run_ranks  # noqa: E402
 
 VARIANTS = ["ddp", "ddp-fused", "zero0", "zero1", "zero2", "zero3", "zero2-offload",
             "zero3-offload"]
+# also runnable by name: "zero3-nocheck" (stage 3 without the gather-order check), to price it
 
 
 def model_config(small: bool) -> GPTConfig:
@@ -65,7 +66,9 @@ def run_variant(variant: str, steps: int, warmup: int, small: bool, micro: int) 
         engine = zeroengine.initialize(model, {
             "optimizer": {"type": "AdamW", "params": {**lr, "betas": list(lr["betas"])}},
             "zero_optimization": {"stage": stage, "offload_optimizer": offload,
-                                  **({"offload_param": offload} if stage == 3 else {})}})
+                                  **({"offload_param": offload} if stage == 3 else {}),
+                                  **({"stage3_check_gather_order": False}
+                                     if variant.endswith("-nocheck") else {})}})
 
         def train_step(tokens, targets):
             loss = _loss(engine, tokens, targets)

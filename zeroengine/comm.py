@@ -377,8 +377,8 @@ class Comm:
                            lambda a: self._all_gather_any(output, input, a))
 
     def _all_gather_any(self, output: torch.Tensor, input: torch.Tensor,
-                        async_op: bool, kind: str = "all_gather") -> Handle:
-        self._count(kind, output.numel() * output.element_size(), 1.0)
+                        async_op: bool) -> Handle:
+        self._count("all_gather", output.numel() * output.element_size(), 1.0)
         if self._all_gather is not None:
             try:
                 return Handle(self._all_gather(output, input, group=self.group,
@@ -396,16 +396,38 @@ class Comm:
         self._issue("broadcast", what, "", [tensor], False, lambda _: Handle(
             dist.broadcast(tensor, src=src, group=self.group)))
 
-    def gather_ints(self, values: list[int], device, what="") -> list[list[int]]:
-        """Every rank's ``values`` (same length everywhere), synchronously: a tiny all-gather
-        for cross-rank checks, counted apart from the model's traffic (kind "rank_check")."""
+    def open_check_group(self) -> None:
+        """Collective: a second (gloo, host-side) group for ``gather_ints``. Checks on the
+        model's own group would queue behind its asynchronous collectives (a prefetch, a
+        gradient bucket) and wait for them, which undoes the overlap; on GPUs they would also
+        synchronise the host with the device."""
+        if self.world_size == 1 or getattr(self, "_check_group", None) is not None:
+            return
+        ranks = None if self.group is None else dist.get_process_group_ranks(self.group)
+        kwargs = {}
+        if self.timeout_s is not None:
+            kwargs["timeout"] = datetime.timedelta(seconds=self.timeout_s)
+        self._check_group = dist.new_group(ranks=ranks, backend="gloo", **kwargs)
+
+    def gather_ints(self, values: list[int], what="", async_op: bool = False):
+        """Every rank's ``values`` (same length everywhere) over the check group
+        (``open_check_group``, else the model's group): a tiny host-side all-gather for
+        cross-rank checks, counted apart from the model's traffic (kind "rank_check").
+        Returns the rows, or with ``async_op`` a callable that waits and returns them."""
         if self.world_size == 1:
-            return [list(values)]
-        mine = torch.tensor(values, dtype=torch.int64, device=device)
-        out = torch.empty(self.world_size * len(values), dtype=torch.int64, device=device)
-        self._issue("all_gather", what, "", [out, mine], False,
-                    lambda a: self._all_gather_any(out, mine, a, kind="rank_check"))
-        return out.view(self.world_size, len(values)).tolist()
+            return (lambda: [list(values)]) if async_op else [list(values)]
+        group = getattr(self, "_check_group", None) or self.group
+        mine = torch.tensor(values, dtype=torch.int64)
+        out = torch.empty(self.world_size * len(values), dtype=torch.int64)
+        self._count("rank_check", out.numel() * out.element_size(), 1.0)
+        handle = self._issue("all_gather", what, "", [out, mine], False, lambda _: Handle(
+            dist.all_gather(list(out.chunk(self.world_size)), mine, group=group,
+                            async_op=async_op)))
+
+        def rows() -> list[list[int]]:
+            handle.wait()
+            return out.view(self.world_size, len(values)).tolist()
+        return rows if async_op else rows()
 
     def all_gather_object(self, obj) -> list:
         if self.world_size == 1:

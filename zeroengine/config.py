@@ -99,11 +99,13 @@ class ZeroConfig:
                                                      "elements stay whole on every rank.", lo=0,
                                                      auto=True)
     stage3_check_gather_order: bool = option(
-        True, "Stage 3: before each parameter all-gather the ranks compare what they are about "
-        "to gather (a 4-integer all-gather), so ranks that run different passes (evaluation or "
-        "generate() on rank 0 only, a branch taken on one rank) fail at once with an error "
-        "saying what each rank was gathering, instead of a collective size mismatch or a hang. "
-        "false: skip the check (one small collective per gather saved).")
+        True, "Stage 3: beside each parameter all-gather the ranks exchange what they gather and "
+        "why (4 integers, asynchronously, on a host-side gloo group), and compare before the "
+        "gathered values are used. Ranks that run different code (evaluation or generate() on "
+        "rank 0 only, a branch taken on one rank, experts run on some ranks) then fail at once "
+        "with an error saying what each rank was doing, instead of a collective size mismatch, "
+        "a hang, or - when the sizes happen to agree - silently mixed parameters. The start of "
+        "every forward is checked regardless. false: skip the per-gather exchange.")
     stage3_leaf_modules: list = option(
         [], "Stage 3: module class names (e.g. \"MixtralSparseMoeBlock\") fetched as one unit: "
         "entering such a module gathers every parameter under it, and its children are not "

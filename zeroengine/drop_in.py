@@ -109,6 +109,29 @@ def install() -> None:
     torch.nn.utils.clip_grads_with_norm_ = _clip_grads_with_norm_
 
 
+class EngineHook:
+    """A module hook of the engine's. ``copy.deepcopy(model)`` (an EMA copy, a frozen
+    reference model) copies module hooks with the module: the copy must not drag the engine
+    along (process groups cannot be copied) nor call back into it, so a copied hook does
+    nothing and the copy is a plain model."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+    def __deepcopy__(self, memo):
+        return _DETACHED
+
+
+def _detached(*args):
+    return None
+
+
+_DETACHED = _detached
+
+
 class ParameterReplacedError(RuntimeError):
     """A parameter the engine manages was replaced or re-pointed after initialize()."""
 
@@ -134,7 +157,7 @@ class ForwardGuard:
         self.managed = [(name, p) for name, p in module.named_parameters()
                         if id(p) in self.where]
         self.storage = {id(p): p.untyped_storage()._cdata for _, p in self.managed}
-        self.hook = module.register_forward_pre_hook(self, prepend=True)
+        self.hook = module.register_forward_pre_hook(EngineHook(self), prepend=True)
 
     def __call__(self, module, args):
         self.refuse_outer_ddp()

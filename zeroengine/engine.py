@@ -92,7 +92,7 @@ class ZeroEngine:
         self.guard = ForwardGuard(
             module, self.flat_groups, self._broadcast_from_rank0 if broadcast else None,
             check_ranks=self.fetcher.check_forward_start
-            if self.fetcher is not None and self.fetcher.check_order else None)
+            if self.fetcher is not None and self.fetcher.check_ranks else None)
         self.lr_scheduler = lr_scheduler
         if lr_scheduler is not None and hasattr(lr_scheduler, "optimizer"):
             lr_scheduler.optimizer = self.optimizer

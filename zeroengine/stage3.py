@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn as nn
 
 from .comm import Comm, Handle
+from .drop_in import EngineHook
 from .partition import FlatParamGroup
 from .sharded_param import ShardedParameterAccessError, mark_sharded, unmark_sharded
 
@@ -48,6 +50,7 @@ class RankDivergenceError(RuntimeError):
 @dataclass
 class _Gathered:
     handle: Handle | None  # the all-gather, until waited for
+    verify: Callable[[], None] | None = None  # its gather-order check, until compared
     refs: int = 0  # module forward calls holding it
     user_refs: int = 0  # gathered_parameters blocks holding it
     in_backward: bool = False  # gathered for a backward computation
@@ -74,7 +77,12 @@ class ParamFetcher:
                  prefetch_numel: int = 50_000_000, max_live_numel: int = 1_000_000_000,
                  check_order: bool = True, leaf_modules=()):
         self.groups = groups
-        self.check_order = check_order and comm.world_size > 1
+        # Every forward starts with a cross-rank check (cheap: one per forward); checking
+        # before every gather too catches a branch taken on one rank, at a price (see config).
+        self.check_ranks = comm.world_size > 1
+        self.check_order = check_order and self.check_ranks
+        if self.check_ranks:
+            comm.open_check_group()
         self._checks = 0  # gathers compared across ranks so far
         self.comm = comm
         self.prefetch_numel = prefetch_numel
@@ -98,9 +106,9 @@ class ParamFetcher:
             # The root always: a parameter read in its own forward code is gathered for it.
             if keys or mod is module:
                 self.module_keys[mod] = keys
-                self._hooks.append(mod.register_forward_pre_hook(self._pre_forward))
-                self._hooks.append(mod.register_forward_hook(self._post_forward))
-        self._hooks.append(module.register_forward_hook(self._after_root_forward))
+                self._hooks.append(mod.register_forward_pre_hook(EngineHook(self._pre_forward)))
+                self._hooks.append(mod.register_forward_hook(EngineHook(self._post_forward)))
+        self._hooks.append(module.register_forward_hook(EngineHook(self._after_root_forward)))
         self._running: list[nn.Module] = []  # hooked modules whose forward is running
         for name, p in module.named_parameters():
             if id(p) in where:
@@ -176,8 +184,10 @@ class ParamFetcher:
     def _start(self, key: Key, prefetch: bool = False, user: bool = False) -> _Gathered:
         gi, s = key
         g = self.groups[gi]
-        if self.check_order:
-            self._check_same_gather(key, _USER if user else self._purpose())
+        verify = None
+        if self.check_order:  # compared when the gather is waited for (see _wait)
+            verify = self._check_same_gather(key, _USER if user else self._purpose(),
+                                             async_op=True)
         full = g.segment_full[s]
         full.untyped_storage().resize_(full.numel() * full.element_size())
         # CUDA: prefetches complete on their own side stream, tracked apart from on-demand
@@ -185,7 +195,7 @@ class ParamFetcher:
         entry = _Gathered(self.comm.all_gather(
             full, g.chunk_on_device(s), async_op=True,
             stream="prefetch" if prefetch else "gather",
-            what=lambda: f"stage-3 parameters {self._names_of(key)}"))
+            what=lambda: f"stage-3 parameters {self._names_of(key)}"), verify=verify)
         self.gathered[key] = entry
         self.gathers += 1
         return entry
@@ -200,14 +210,31 @@ class ParamFetcher:
         kind of forward. Catches rank-0-only evaluation before any collective can mismatch."""
         self._check_same_gather(_NO_KEY, self._purpose())
 
-    def _check_same_gather(self, key: Key, purpose: int) -> None:
-        """Every rank must be about to gather the same segment for the same purpose (each
-        gather is a collective); compare before the gather itself, so ranks that diverged fail
-        here, all of them, with what each was doing."""
+    def _check_same_gather(self, key: Key, purpose: int, async_op: bool = False):
+        """Every rank must gather the same segment for the same purpose (each gather is a
+        collective): exchange (check number, segment, purpose) on the host-side check group and
+        raise on every rank, with what each was doing, if they differ. With ``async_op`` the
+        exchange runs beside the gather and the returned callable compares: the gathered
+        values are used only after it passed (``_wait``), so mismatched gathers - same sizes
+        pair silently - never reach the model."""
         self._checks += 1
-        device = self.groups[0].device
-        rows = self.comm.gather_ints([self._checks, key[0], key[1], purpose], device,
-                                     what="the stage-3 gather-order check")
+        rows = self.comm.gather_ints([self._checks, key[0], key[1], purpose],
+                                     what="the stage-3 gather-order check", async_op=async_op)
+        if async_op:
+            return lambda: self._compare(rows())
+        self._compare(rows)
+        return None
+
+    def _wait(self, entry: _Gathered) -> None:
+        """The gather of ``entry`` is complete and its order check passed."""
+        if entry.verify is not None:
+            verify, entry.verify = entry.verify, None
+            verify()  # before the gather's own wait: a mismatch there may be a size error
+        if entry.handle is not None:
+            entry.handle.wait()
+            entry.handle = None
+
+    def _compare(self, rows: list[list[int]]) -> None:
         if all(row == rows[0] for row in rows):
             return
         doing = "; ".join(
@@ -238,17 +265,14 @@ class ParamFetcher:
             entry = self._start(key, user=user)
         elif entry.handle is not None:
             self.prefetch_hits += 1  # requested while its prefetched all-gather was under way
-        if entry.handle is not None:
-            entry.handle.wait()
-            entry.handle = None
+        self._wait(entry)
         if self._recording is not None:
             self._recording[self._phase].add(key)
         return entry
 
     def _free(self, key: Key) -> None:
         entry = self.gathered.pop(key)
-        if entry.handle is not None:
-            entry.handle.wait()  # never free memory a collective is still writing
+        self._wait(entry)  # never free memory a collective is still writing
         self.groups[key[0]].segment_full[key[1]].untyped_storage().resize_(0)
 
     def acquire(self, keys: list[Key], user: bool = False) -> None:
@@ -324,8 +348,7 @@ class ParamFetcher:
         """After an optimizer step: segments still gathered (held across the step) would show
         stale values; gather them again from the updated shards."""
         for key, entry in self.gathered.items():
-            if entry.handle is not None:
-                entry.handle.wait()
+            self._wait(entry)
             g = self.groups[key[0]]
             if self.check_order:
                 self._check_same_gather(key, _REFRESH)
