@@ -80,7 +80,7 @@ setup(
         "train": ["tqdm", "matplotlib"],  # zeroengine train: progress bar and the loss plot
         "tensorboard": ["tensorboard"],  # zeroengine train also writes TensorBoard scalars
         "ray": ["ray[train]"],  # zeroengine.integrations.ray
-        "hf": ["transformers"],  # Hugging Face models (tests/test_hf.py)
+        "hf": ["transformers", "accelerate"],  # HF models and Trainer (tests/test_hf.py)
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

@@ -319,6 +319,24 @@ class AttentionNet(torch.nn.Module):
         return self.head((h + a) * self.scale)
 
 
+def sgd_reference(model_class, world: int = 2) -> dict:
+    """Single-process DDP semantics with SGD-momentum; a parameter no rank used gets a zero
+    gradient (the engine's rule)."""
+    torch.manual_seed(0)
+    model = model_class()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        for rank in range(world):
+            tokens, targets = batch(step, 0, rank)
+            (loss_fn(model(tokens), targets) / world).backward()
+        for p in model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().float() for k, v in model.state_dict().items()}
+
+
 def attention_loop(stage: int):
     import zeroengine
     torch.manual_seed(0)
@@ -341,16 +359,7 @@ def test_multihead_attention_at_stage3_without_annotation():
     """nn.MultiheadAttention reads out_proj.weight without calling out_proj; the root reads
     its own parameter: both are gathered on demand, in forward and backward. (SGD: the key
     bias's true gradient is zero, and Adam would turn its rounding noise into steps.)"""
-    torch.manual_seed(0)
-    model = AttentionNet()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for step in range(STEPS):
-        for rank in range(2):
-            tokens, targets = batch(step, 0, rank)
-            (loss_fn(model(tokens), targets) / 2).backward()
-        opt.step()
-        opt.zero_grad()
-    expected = {k: v.detach().float() for k, v in model.state_dict().items()}
+    expected = sgd_reference(AttentionNet)
     for rank, state in enumerate(run_ranks(2, attention_loop, 3)):
         err, where = max_relative_error(state, expected)
         assert err <= 1e-5, f"rank {rank}: {err:.2e} at {where}"
@@ -438,19 +447,7 @@ def moe_loop(leaf: bool):
 
 
 def test_moe_experts_on_some_ranks_need_leaf_modules_and_then_match():
-    torch.manual_seed(0)
-    model = MoENet()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for step in range(STEPS):
-        for rank in range(2):
-            tokens, targets = batch(step, 0, rank)
-            (loss_fn(model(tokens), targets) / 2).backward()
-        for p in model.parameters():  # an expert no rank ran: a zero gradient, as in DDP
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        opt.step()
-        opt.zero_grad()
-    expected = {k: v.detach().float() for k, v in model.state_dict().items()}
+    expected = sgd_reference(MoENet)
     for rank, state in enumerate(run_ranks(2, moe_loop, True)):
         err, where = max_relative_error(state, expected)
         assert err <= 1e-5, f"rank {rank}: {err:.2e} at {where}"

@@ -91,7 +91,10 @@ def test_rank_that_stops_calling_collectives_fails_the_others_in_time():
     message, waited = run_ranks(2, one_rank_skips_backward, timeout)[0]
     assert message is not None, "rank 0 did not raise"
     assert "at step 2" in message and "timed out after 3 s" in message, message
-    assert "gradient bucket" in message or "gradient norm" in message, message
+    # where rank 0 waits first: the forward's buffer broadcast (the model has a buffer), else
+    # a gradient bucket
+    assert any(w in message for w in ("module buffers", "gradient bucket", "gradient norm")), \
+        message
     assert "collective_timeout_s" in message
     assert waited < 3 * timeout, f"took {waited:.1f} s with a {timeout} s timeout"
 

@@ -88,3 +88,29 @@ def test_transformers_model_trains_like_plain_pytorch(stage, expected, tmp_path)
     assert type(loaded) is transformers.LlamaForCausalLM
     assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (got - want).abs().max()
+
+
+def trainer_on_engine_model(stage: int, out_dir: str) -> str | None:
+    """The HF Trainer given the engine's model under a 2-process run: it wraps the model in
+    its own DistributedDataParallel, which would reduce every gradient twice."""
+    model = make_lm()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    zeroengine.initialize(model, {"zero_optimization": {"stage": stage}}, optimizer=opt)
+    data = [{"input_ids": tokens(i, 0)[0], "labels": tokens(i, 0)[0]} for i in range(4)]
+    args = transformers.TrainingArguments(output_dir=out_dir, per_device_train_batch_size=2,
+                                          max_steps=1, use_cpu=True, report_to=[],
+                                          save_strategy="no", logging_strategy="no")
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
+                                   optimizers=(opt, None))
+    try:
+        trainer.train()
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_hf_trainer_wrapping_the_engine_model_in_ddp_is_refused(stage, tmp_path):
+    for message in run_ranks(WORLD, trainer_on_engine_model, stage, str(tmp_path)):
+        assert message is not None and "DistributedDataParallel" in message, message
+        assert "Hugging Face Trainer" in message

@@ -90,7 +90,7 @@ class ZeroEngine:
         register_parameters(self._managed_params(), self.optimizer)
         broadcast = config.broadcast_buffers and comm.world_size > 1
         self.guard = ForwardGuard(
-            module, self.flat_groups, self._broadcast_from_rank0 if broadcast else None,
+            module, self.flat_groups, self._broadcast_buffers if broadcast else None,
             check_ranks=self.fetcher.check_forward_start
             if self.fetcher is not None and self.fetcher.check_ranks else None)
         self.lr_scheduler = lr_scheduler
@@ -187,8 +187,12 @@ class ZeroEngine:
         self._broadcast_from_rank0([t.data for t in list(self.module.parameters())
                                     + list(self.module.buffers()) if not is_sharded(t)])
 
-    def _broadcast_from_rank0(self, tensors: list[torch.Tensor],
-                              max_numel: int = 1 << 22) -> None:
+    def _broadcast_buffers(self, buffers: list[torch.Tensor]) -> None:
+        self._broadcast_from_rank0(buffers, what=lambda: f"module buffers ({len(buffers)}, "
+                                   "broadcast from rank 0 before the forward: broadcast_buffers)")
+
+    def _broadcast_from_rank0(self, tensors: list[torch.Tensor], max_numel: int = 1 << 22,
+                              what="") -> None:
         """Rank 0's values of ``tensors`` to every rank, a few large broadcasts per dtype."""
         if self.comm.world_size == 1:
             return
@@ -204,7 +208,7 @@ class ZeroEngine:
                         offsets.append(offsets[-1] + b.numel())
                     flat = torch.empty(offsets[-1], dtype=batch[0].dtype, device=batch[0].device)
                     flatten_into(batch, flat, offsets[:-1])
-                    self.comm.broadcast(flat, 0)
+                    self.comm.broadcast(flat, 0, what=what)
                     unflatten_from(flat, batch, offsets[:-1])
                     batch = []
                 if t is not None:
