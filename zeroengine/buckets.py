@@ -106,6 +106,9 @@ class GradReducer:
                 for p in g.params:
                     self._hooks.append(p.register_hook(self._before_accumulate))
         self._in_backward = False
+        # engine.no_sync(): stages 0-1 keep gradients local (reduced by a later backward or
+        # the step); stages 2-3 hold no full gradient, so they reduce as always.
+        self.defer_reduction = False
         self._reduce_now = False
         self._next_launch = 0
         self.backwards_since_step = 0
@@ -163,7 +166,8 @@ class GradReducer:
             raise RuntimeError("fp16 training needs engine.backward(loss), which applies the "
                                "loss scale; a plain loss.backward() was called")
         self._in_backward = True
-        boundary = (self.backwards_since_step + 1) % self.accumulation_steps == 0
+        boundary = (self.backwards_since_step + 1) % self.accumulation_steps == 0 \
+            and not self.defer_reduction
         self._reduce_now = self.stage >= 2 or boundary
         self._final = boundary
         self._next_launch = 0

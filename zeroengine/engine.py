@@ -7,6 +7,7 @@ during backward, ShardedOptimizer (optim.py) steps the shard and re-gathers para
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -277,6 +278,18 @@ class ZeroEngine:
         # A step skipped for overflow does not advance the schedule (as in DeepSpeed).
         if self.lr_scheduler is not None and self.optimizer.skipped_steps == skipped_before:
             self.lr_scheduler.step()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """DDP's ``no_sync()``: backwards inside accumulate without communicating; the next
+        backward outside it (or the step) reduces the sum. The numbers are the same either way;
+        this only saves communication, at stages 0-1 (stages 2-3 keep no full gradient to
+        accumulate into, so they reduce every backward regardless)."""
+        before, self.reducer.defer_reduction = self.reducer.defer_reduction, True
+        try:
+            yield
+        finally:
+            self.reducer.defer_reduction = before
 
     def train(self, mode: bool = True) -> "ZeroEngine":
         self.module.train(mode)
