@@ -31,6 +31,7 @@ import torch
 from .comm import Comm, Handle
 from .flat import FlatBuffer
 from .partition import FlatParamGroup
+from .sharding import Sharding
 
 
 class Bucket:
@@ -57,6 +58,7 @@ class GradReducer:
         self.reduce_dtype = reduce_dtype
         self.comm = comm
         self.stage = stage
+        self.sharding = sharding = Sharding.of_stage(stage)
         self.accumulation_steps = accumulation_steps
         self.overlap = overlap
         self.use_reduce_scatter = reduce_scatter
@@ -80,7 +82,7 @@ class GradReducer:
         # Full-size gradient buffers (stages 0-1); param.grad are views into them.
         self.full_grads: list[FlatBuffer | None] = []
         for g in groups:
-            if stage <= 1:
+            if sharding.full_gradient_buffer:
                 buf = FlatBuffer(g.layout, g.dtype, device)
                 for i, p in enumerate(g.params):
                     p.grad = buf.param_view(i)
@@ -92,7 +94,8 @@ class GradReducer:
         # buffer is the shard (stage 1 reduce-scatters in place; stage 0 owns everything).
         self.owned: list[torch.Tensor | None] = [
             torch.zeros(g.layout.shard_numel, dtype=self._reduce_dtype(g), device=device)
-            if stage >= 2 or (stage == 1 and self._reduce_dtype(g) != g.dtype) else None
+            if sharding.gradients or (sharding.optimizer_state and self._reduce_dtype(g) != g.dtype)
+            else None
             for g in groups]
         self._owned_valid = [False] * len(groups)  # False: owned holds nothing this boundary
         self._hooks = []
@@ -101,7 +104,8 @@ class GradReducer:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
         # Stage 1 reducing in place: see _prepare_next_reduction.
         self._rescale_pending = False
-        if stage == 1 and any(o is None for o in self.owned):
+        if sharding.optimizer_state and sharding.full_gradient_buffer \
+                and any(o is None for o in self.owned):
             for g in groups:
                 for p in g.params:
                     self._hooks.append(p.register_hook(self._before_accumulate))
@@ -138,7 +142,7 @@ class GradReducer:
                 "pass; zeroengine reduces each parameter once per backward (reentrant "
                 "checkpointing does this: use torch.utils.checkpoint(..., use_reentrant=False))")
         g = bucket.group
-        if self.stage <= 1:
+        if self.sharding.full_gradient_buffer:
             view = self.full_grads[self._index[id(g)]].param_view(index)
             if param.grad is not view:
                 # The user replaced or cleared .grad (e.g. model.zero_grad()): autograd made a new
@@ -168,7 +172,7 @@ class GradReducer:
         self._in_backward = True
         boundary = (self.backwards_since_step + 1) % self.accumulation_steps == 0 \
             and not self.defer_reduction
-        self._reduce_now = self.stage >= 2 or boundary
+        self._reduce_now = self.sharding.gradients or boundary
         self._final = boundary
         self._next_launch = 0
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
@@ -187,7 +191,7 @@ class GradReducer:
         backward still runs); wait for the oldest while staging in flight is over budget."""
         while self._in_flight:
             oldest = self._in_flight[0]
-            over = self.stage >= 2 and sum(
+            over = self.sharding.gradients and sum(
                 b.staging.numel() for b in self._in_flight if b.staging is not None
             ) > self.max_staging_numel
             if not (over or oldest.handle.done()):
@@ -218,7 +222,7 @@ class GradReducer:
         # pass accumulate onto the stale shard.
         self._owned_valid = [True] * len(self.groups)
         self._unreduced = False
-        if self.stage == 1:
+        if self.sharding.optimizer_state and self.sharding.full_gradient_buffer:
             self._prepare_next_reduction()
 
     def _prepare_next_reduction(self) -> None:
@@ -260,7 +264,7 @@ class GradReducer:
         gi = self._index[id(g)]
         seg = g.layout.segments[b.segment]
         dtype = self._reduce_dtype(g)
-        if self.stage <= 1:
+        if self.sharding.full_gradient_buffer:
             grads = self.full_grads[gi].segment_view(b.segment)
             source = grads if dtype == g.dtype else grads.to(dtype)
         else:
@@ -273,7 +277,7 @@ class GradReducer:
         def what():  # for an error message only
             return f"gradient bucket {b.segment} of param group {g.group_index} " \
                 f"({seg.numel} elements)"
-        if self.stage == 0:
+        if not self.sharding.optimizer_state:
             b.handle = self.comm.all_reduce(source, "avg", async_op=True, what=what)
             if source is not grads:
                 after = lambda: grads.copy_(source)  # noqa: E731
@@ -317,7 +321,7 @@ class GradReducer:
         b.handle.wait()
         if b.finish is not None:
             b.finish()
-        if self.on_grad_reduced is not None and self.stage >= 1:
+        if self.on_grad_reduced is not None and self.sharding.optimizer_state:
             self.on_grad_reduced(b.group, b.segment, self._final)
         b.handle, b.finish, b.launched = None, None, False
         b.staging = None  # stage 2: the bucket's memory goes back
@@ -341,7 +345,7 @@ class GradReducer:
     def owned_grad_segments(self, group: FlatParamGroup) -> list[torch.Tensor]:
         """The reduced gradient of every chunk the rank owns, aligned with master_segments."""
         gi = self._index[id(group)]
-        if self.stage == 0:
+        if not self.sharding.optimizer_state:
             buf = self.full_grads[gi]
             return [buf.segment_view(s) for s in range(len(group.layout.segments))]
         return [self.owned_chunk(group, s) for s in range(len(group.layout.segments))]
