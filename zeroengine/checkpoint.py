@@ -389,7 +389,7 @@ def save_16bit_model(engine, save_dir: str, filename: str = "model.safetensors")
     under each of their names, so strict load_state_dict and from_pretrained accept it)."""
     from safetensors.torch import save_file
     zero = engine.config.zero_optimization
-    if engine.stage == 3 and not zero.stage3_gather_16bit_weights_on_model_save:
+    if engine.sharding.parameters and not zero.stage3_gather_16bit_weights_on_model_save:
         warnings.warn("save_16bit_model at stage 3 needs zero_optimization."
                       "stage3_gather_16bit_weights_on_model_save=true (the weights are sharded); "
                       "nothing was saved. `zeroengine consolidate` builds them from a checkpoint",

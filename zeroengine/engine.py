@@ -23,6 +23,7 @@ from .offload import OptimizerOffload
 from .optim import ShardedOptimizer
 from .partition import FlatParamGroup
 from .precision import LossScaler, Precision
+from .sharding import Sharding
 from .stage3 import ParamFetcher, register_whole, unregister_whole
 from .zero_init import is_sharded, make_whole, materialize
 
@@ -35,6 +36,7 @@ class ZeroEngine:
         self.comm = comm
         self.device = device
         self.stage = config.zero_optimization.stage
+        self.sharding = Sharding.of_stage(self.stage)
         self.gradient_accumulation_steps = config.gradient_accumulation_steps
         self.global_steps = 0
         self.micro_steps = 0
@@ -55,7 +57,7 @@ class ZeroEngine:
         self.fetcher = None
         register_whole([fg for fg in self.flat_groups if not fg.partitioned], comm)
         partitioned = [fg for fg in self.flat_groups if fg.partitioned]
-        if self.stage == 3:
+        if self.sharding.parameters:
             self._report_persistence(partitioned)
         if partitioned:
             self.fetcher = ParamFetcher(module, partitioned, comm,
@@ -104,14 +106,15 @@ class ZeroEngine:
         parameters kept whole (below stage3_param_persistence_threshold elements) and
         partitioned ones, whose segments follow the modules that hold them."""
         zero = self.config.zero_optimization
-        shard_world = self.comm.world_size if self.stage >= 1 else 1
+        shard_world = self.comm.world_size if self.sharding.optimizer_state else 1
         owner: dict[int, int] = {}  # parameter -> index of the first module holding it
         for mi, mod in enumerate(self.module.modules()):
             for p in mod.parameters(recurse=False):
                 owner.setdefault(id(p), mi)
         limit = zero.stage3_param_persistence_threshold
         to_partition = {id(p) for group in optimizer.param_groups for p in group["params"]
-                        if self.stage == 3 and p.requires_grad and p.numel() >= limit}
+                        if self.sharding.parameters and p.requires_grad
+                        and p.numel() >= limit}
         for p in self.module.parameters():  # zero_init: whatever stays whole is made whole
             if is_sharded(p) and id(p) not in to_partition:
                 make_whole(p, self.comm)
@@ -130,7 +133,7 @@ class ZeroEngine:
                 by_dtype = bucket_params(params)
             for dtype, same in by_dtype:
                 whole = same
-                if self.stage == 3:
+                if self.sharding.parameters:
                     whole = [p for p in same if id(p) not in to_partition]
                     split = sorted((p for p in same if id(p) in to_partition),
                                    key=lambda p: (-owner[id(p)], -order[id(p)]))
