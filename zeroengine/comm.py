@@ -149,6 +149,7 @@ class Comm:
 
     def __init__(self, group=None, timeout_s: float | None = None):
         self.group = group
+        self._check_group = None  # open_check_group(): host-side group for gather_ints
         self.timeout_s = timeout_s  # for messages: the group's own timeout when we built it
         self.step = 1  # the optimizer step under way, for messages (ShardedOptimizer sets it)
         self.active = dist.is_available() and dist.is_initialized()
@@ -401,7 +402,7 @@ class Comm:
         model's own group would queue behind its asynchronous collectives (a prefetch, a
         gradient bucket) and wait for them, which undoes the overlap; on GPUs they would also
         synchronise the host with the device."""
-        if self.world_size == 1 or getattr(self, "_check_group", None) is not None:
+        if self.world_size == 1 or self._check_group is not None:
             return
         ranks = None if self.group is None else dist.get_process_group_ranks(self.group)
         kwargs = {}
@@ -416,7 +417,7 @@ class Comm:
         Returns the rows, or with ``async_op`` a callable that waits and returns them."""
         if self.world_size == 1:
             return (lambda: [list(values)]) if async_op else [list(values)]
-        group = getattr(self, "_check_group", None) or self.group
+        group = self._check_group or self.group
         mine = torch.tensor(values, dtype=torch.int64)
         out = torch.empty(self.world_size * len(values), dtype=torch.int64)
         self._count("rank_check", out.numel() * out.element_size(), 1.0)

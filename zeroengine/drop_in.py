@@ -122,14 +122,11 @@ class EngineHook:
         return self.fn(*args)
 
     def __deepcopy__(self, memo):
-        return _DETACHED
+        return _detached
 
 
 def _detached(*args):
     return None
-
-
-_DETACHED = _detached
 
 
 class ParameterReplacedError(RuntimeError):
@@ -165,7 +162,7 @@ class ForwardGuard:
         if self.check_ranks is not None:
             self.check_ranks()
         if self.broadcast is not None and torch.is_grad_enabled():
-            buffers = [b for b in module.buffers()]
+            buffers = list(module.buffers())
             if buffers:
                 self.broadcast(buffers)
 

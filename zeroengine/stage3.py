@@ -98,7 +98,6 @@ class ParamFetcher:
         for param_id in where:
             _FETCHER_OF[param_id] = self
         self._hooks = []
-        self.root = module
         self.module_keys: dict[nn.Module, list[Key]] = {}
         for mod, leaf in _fetch_units(module, set(leaf_modules)):
             keys = sorted({where[id(p)] for p in mod.parameters(recurse=leaf)
@@ -110,8 +109,8 @@ class ParamFetcher:
                 self._hooks.append(mod.register_forward_hook(EngineHook(self._post_forward)))
         self._hooks.append(module.register_forward_hook(EngineHook(self._after_root_forward)))
         self._running: list[nn.Module] = []  # hooked modules whose forward is running
-        for name, p in module.named_parameters():
-            if id(p) in where:
+        for g in groups:
+            for p in g.params:
                 mark_sharded(p, self)
         # The first step records the order of first requests, per phase (backward runs the
         # other way); later steps prefetch along it.
