@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 # preinstalled, e.g. `make test TORCH=` to keep it.
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed-$(subst =,_,$(TORCH))
-SOURCES := setup.py $(wildcard csrc/*/*.cpp csrc/*/*.cu csrc/*/*.cuh)
+SOURCES := setup.py $(wildcard csrc/*/*.cpp csrc/*/*.cu csrc/*/*.cuh csrc/*/*.h)
 
 .PHONY: setup test demo bench compare docs clean
 
@@ -39,6 +39,7 @@ compare: setup
 
 docs: setup
 	$(PY) -c "from zeroengine.config import reference_markdown as r; print(r(), end=\"\")" > docs/config.md
+	$(PY) -c "from zeroengine.tools.job_config import reference_markdown as r; print(r(), end=\"\")" > docs/job.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info zeroengine/*.so

@@ -3,12 +3,14 @@
 The C++ extensions are built ahead of time here. Build with `pip install -e .
 --no-build-isolation` so the installed torch is used, not a fresh download. The CUDA kernels
 (csrc/cuda) are built when torch has CUDA and nvcc is found; elsewhere they are skipped with a
-message, and a GPU run without them JIT-builds them on first use (zeroengine/ops/cuda_kernels.py).
-Set ZEROENGINE_NO_EXT=1 to skip every extension; the package then runs on its PyTorch fallbacks.
+message, and a GPU run without them JIT-builds them on first use (zeroengine/ops/extensions.py).
+Set ZEROENGINE_NO_EXT=1 to skip building every extension; the same variable at run time makes
+the package ignore built ones (zeroengine/ops/extensions.py) and run on its PyTorch fallbacks.
 """
 from __future__ import annotations
 
 import glob
+import json
 import os
 
 from setuptools import find_packages, setup
@@ -28,6 +30,14 @@ def cuda_skip_reason(torch) -> str | None:
     return None
 
 
+def _version() -> str:
+    """zeroengine/_version.py's string, read without importing the package (and torch)."""
+    scope: dict = {}
+    with open(os.path.join("zeroengine", "_version.py")) as f:
+        exec(f.read(), scope)
+    return scope["__version__"]
+
+
 def cuda_extension(torch):
     from torch.utils.cpp_extension import CUDAExtension
     if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
@@ -36,9 +46,10 @@ def cuda_extension(torch):
         os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
     print(f"zeroengine: building the CUDA kernels for {os.environ.get('TORCH_CUDA_ARCH_LIST')}")
     sources = sorted(glob.glob("csrc/cuda/*.cpp") + glob.glob("csrc/cuda/*.cu"))
-    # no --use_fast_math: its sqrt and division would leave torch's results by more than rounding
+    with open("csrc/cuda/build_flags.json") as f:
+        flags = json.load(f)
     return CUDAExtension("zeroengine._cuda_ext", sources,
-                         extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "-lineinfo"]})
+                         extra_compile_args={"cxx": flags["cxx"], "nvcc": flags["nvcc"]})
 
 
 if os.environ.get("ZEROENGINE_NO_EXT") != "1":
@@ -52,8 +63,10 @@ if os.environ.get("ZEROENGINE_NO_EXT") != "1":
         if os.environ.get("ZEROENGINE_CUDA_ONLY") != "1":  # .ci/compile_cuda builds only these
             for name, source, flags in [
                     ("_flatten_ext", "csrc/flatten/flatten.cpp", []),
-                    # sqrt may only be vectorised when it need not set errno
-                    ("_cpu_adam_ext", "csrc/adam/cpu_adam.cpp", ["-fno-math-errno"])]:
+                    # sqrt may only be vectorised when it need not set errno; no contraction
+                    # of a*b+c into one rounding: torch rounds them apart (adam_coefficients.h)
+                    ("_cpu_adam_ext", "csrc/adam/cpu_adam.cpp",
+                     ["-fno-math-errno", "-ffp-contract=off"])]:
                 ext_modules.append(CppExtension(
                     f"zeroengine.{name}", [source],
                     extra_compile_args=["-O3", "-fopenmp", *flags],
@@ -69,7 +82,7 @@ if os.environ.get("ZEROENGINE_NO_EXT") != "1":
 
 setup(
     name="zeroengine",
-    version="0.1.0",
+    version=_version(),
     description="ZeRO-style memory-sharding training engine for PyTorch",
     packages=find_packages(include=["zeroengine", "zeroengine.*"]),
     python_requires=">=3.9",
@@ -84,5 +97,5 @@ setup(
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,
-    entry_points={"console_scripts": ["zeroengine=zeroengine.cli:main"]},
+    entry_points={"console_scripts": ["zeroengine=zeroengine.tools.cli:main"]},
 )

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from zeroengine.examples.gpt import GPT, GPTConfig, num_params  # noqa: E402
-from zeroengine.local_ranks import run_ranks  # noqa: E402
+from zeroengine.testing import run_ranks  # noqa: E402
 
 
 def model_config(small: bool) -> GPTConfig:
@@ -83,7 +83,7 @@ def main() -> None:
     ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
     ap.add_argument("--small", action="store_true")
     args = ap.parse_args()
-    from zeroengine.cli import main as cli
+    from zeroengine.tools.cli import main as cli
     print("| stage | params | checkpoint size, all ranks (MB) | save, 2 ranks (s) | load, 2 ranks (s) | "
           "load resharded to 1 rank, stage 0 (s) | consolidate (s) |")
     print("|---|---|---|---|---|---|---|")

@@ -39,9 +39,9 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from zeroengine.estimate import gpt_num_params  # noqa: E402
 from zeroengine.examples.gpt import GPT, GPTConfig  # noqa: E402
-from zeroengine.local_ranks import run_ranks  # noqa: E402
+from zeroengine.testing import run_ranks  # noqa: E402
+from zeroengine.tools.estimate import gpt_num_params  # noqa: E402
 
 SIZES = {"25m": GPTConfig(context=256, layers=8, heads=8, dim=512),
          "100m": GPTConfig(context=256, layers=14, heads=12, dim=768),
@@ -251,7 +251,7 @@ def run_variant(variant: str, precision: str, size: str, steps: int, warmup: int
 # -- the table -----------------------------------------------------------------------------------
 def zero_formula_bytes(params: int, variant: str, precision: str, world: int) -> float | None:
     """Model states per rank by the ZeRO paper, for our rows (device + host)."""
-    from zeroengine.estimate import model_state_bytes
+    from zeroengine.tools.estimate import model_state_bytes
     if not variant in OURS:
         return None
     e = model_state_bytes(params, int(variant[2]), world, precision, 2,

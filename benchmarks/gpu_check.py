@@ -52,16 +52,16 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 # -- 1. build ----------------------------------------------------------------------------------
 def build_kernels():
-    from zeroengine.ops import cuda_kernels
+    from zeroengine.ops import extensions
     start = time.perf_counter()
     try:
         import zeroengine._cuda_ext as ext
         how = "setup.py build"
     except ImportError:
-        ext = cuda_kernels.jit_build(verbose=False)
+        ext = extensions.jit_build_cuda(verbose=False)
         how = "JIT build"
     check("build", ext is not None, f"{how} in {time.perf_counter() - start:.1f} s")
-    cuda_kernels._module = ext  # what the engine's load_cuda_kernels() returns from now on
+    extensions._cuda_module = ext  # what the engine's load_cuda_kernels() returns from now on
     return ext
 
 
@@ -145,8 +145,7 @@ def check_flatten(ext) -> None:
 
 # -- 4. side streams -----------------------------------------------------------------------------
 def check_streams() -> None:
-    from zeroengine.comm import Comm, Handle
-    comm = Comm()
+    from zeroengine.dist.handles import GATHER, Handle, copy_async
     a = torch.randn(8192, 8192, device=DEVICE)
     for trial in range(3):
         produced = a @ a  # long-running on the compute stream
@@ -155,13 +154,25 @@ def check_streams() -> None:
         def launch():  # stands in for an async collective: reads the input, writes the output
             target.copy_(produced)
             return Handle()
-        handle = comm.on_side_stream("gather", [target, produced], launch)
+        handle = GATHER.run([target, produced], launch)
         handle.wait()
         consumed = target.sum()  # on the compute stream, after the wait
         ok = torch.allclose(consumed, produced.sum(), rtol=1e-4)
         if not ok:
             break
     check("side stream ordering", ok, "producer -> side-stream copy -> wait -> consumer")
+    # No record_stream: the handle keeps the source alive until wait(); freeing it right after
+    # and overwriting the memory it had must not change what the side stream copied.
+    expected = (a @ a).sum()
+    source = a @ a
+    host = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
+    handle = copy_async(host, source)
+    handle.wait()
+    del source
+    scribble = torch.full_like(a, float("nan"))  # may reuse the freed block
+    torch.cuda.synchronize()
+    ok = torch.allclose(host.sum(), expected.cpu(), rtol=1e-4) and scribble.isnan().all().item()
+    check("side stream copy, freed after wait", ok, "device->host copy_async, then free")
 
 
 # -- 5. world-size-1 training ------------------------------------------------------------------

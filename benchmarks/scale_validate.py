@@ -1,4 +1,4 @@
-"""The scale model (zeroengine.scale_model) against measured runs at world sizes 1-4 here.
+"""The scale model (zeroengine.tools.scale_model) against measured runs at world sizes 1-4 here.
 
 For each world size and stage: the GPT example, AdamW, fp32, a few steps on gloo; measured are
 the model-state bytes per rank (engine.memory_report(); its transient buckets and stage-3
@@ -24,10 +24,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 from compare import loopback_tx_bytes  # noqa: E402
-from zeroengine.estimate import gpt_num_params  # noqa: E402
+
 from zeroengine.examples.gpt import GPT, GPTConfig  # noqa: E402
-from zeroengine.local_ranks import run_ranks  # noqa: E402
-from zeroengine.scale_model import Hardware, Job, predict  # noqa: E402
+from zeroengine.testing import run_ranks  # noqa: E402
+from zeroengine.tools.estimate import gpt_num_params  # noqa: E402
+from zeroengine.tools.scale_model import Hardware, Job, predict  # noqa: E402
 
 CFG = GPTConfig(context=128, layers=4, heads=4, dim=256)
 MICRO, BUCKET = 4, 500_000

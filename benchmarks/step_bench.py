@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from zeroengine.examples.gpt import GPT, GPTConfig, num_params  # noqa: E402
-from zeroengine.local_ranks import run_ranks  # noqa: E402
+from zeroengine.testing import run_ranks  # noqa: E402
 
 VARIANTS = ["ddp", "ddp-fused", "zero0", "zero1", "zero2", "zero3", "zero2-offload",
             "zero3-offload"]
@@ -40,6 +40,7 @@ def _peak_rss() -> int:
 
 def run_variant(variant: str, steps: int, warmup: int, small: bool, micro: int) -> dict:
     import torch.distributed as dist
+
     import zeroengine
     zeroengine.init_distributed()
     rank = dist.get_rank()

@@ -93,6 +93,25 @@ def reference_train(optimizer_name: str, world_size: int, steps: int, accumulati
     return {k: v.detach().clone().float() for k, v in model.state_dict().items()}
 
 
+def train_engine(config: dict, optimizer: str | None, steps: int, accumulation: int = 1,
+                 drop_in: bool = False, each_step=None, seed: int = 0):
+    """The engine side of every comparison with ``reference_train``: make_model(seed) under
+    zeroengine.initialize(config) with the named optimizer on param_groups (None: the config's
+    own), then ``steps`` optimizer steps of ``run_step`` on this rank's batches, calling
+    ``each_step(engine)`` after each. Returns (engine, losses); the caller reads what it
+    compares and closes the engine."""
+    import zeroengine
+    model = make_model(seed)
+    opt = make_optimizer(optimizer, param_groups(model)) if optimizer else None
+    engine = zeroengine.initialize(model, config, optimizer=opt)
+    losses = []
+    for step in range(steps):
+        losses += run_step(engine, step, accumulation, drop_in)
+        if each_step is not None:
+            each_step(engine)
+    return engine, losses
+
+
 def run_step(engine, step: int, accumulation: int, drop_in: bool = False) -> list[float]:
     """One optimizer step of the test loop on this rank's batches, through the engine's verbs
     or, with ``drop_in``, as a plain torch loop on the wrapped model (loss.backward();

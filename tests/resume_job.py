@@ -12,8 +12,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import zeroengine  # noqa: E402
 from models import make_model, make_optimizer, param_groups, run_step  # noqa: E402
+
+import zeroengine  # noqa: E402
 
 
 def main(ckpt_dir: str, out: str, steps: int, kill_at: int) -> None:

@@ -10,13 +10,20 @@ import sys
 
 import pytest
 import torch
+from models import (
+    batch,
+    loss_fn,
+    make_model,
+    make_optimizer,
+    max_relative_error,
+    param_groups,
+    run_step,
+)
 
 import zeroengine
-from models import batch, loss_fn, make_model, make_optimizer, max_relative_error, \
-    param_groups, run_step
-from zeroengine import ckpt_format as fmt
-from zeroengine.ckpt_format import CheckpointError
-from zeroengine.local_ranks import run_ranks
+from zeroengine.checkpoint import format as fmt
+from zeroengine.checkpoint.format import CheckpointError
+from zeroengine.testing import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAVE_AT, STEPS = 2, 4
@@ -347,7 +354,7 @@ def test_consolidate_needs_no_world_size_and_loads_strictly(tmp_path):
 
 
 def test_consolidate_reports_a_missing_checkpoint(tmp_path, capsys):
-    from zeroengine.cli import main
+    from zeroengine.tools.cli import main
     assert main(["consolidate", str(tmp_path), str(tmp_path / "out")]) == 2
     assert "latest does not exist" in capsys.readouterr().err
 

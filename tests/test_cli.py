@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from zeroengine.cli import main
-from zeroengine.estimate import gpt_num_params, model_state_bytes, states_per_param
-from zeroengine.local_ranks import run_ranks
+from zeroengine.testing import run_ranks
+from zeroengine.tools.cli import main
+from zeroengine.tools.estimate import gpt_num_params, model_state_bytes, states_per_param
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -120,7 +120,7 @@ def test_estimate_matches_what_the_engine_holds():
 
 # -- the scale model ------------------------------------------------------------------------------
 def test_scale_model_memory_is_the_formula_plus_buffers_and_comm_is_the_papers_volume():
-    from zeroengine.scale_model import Hardware, Job, predict
+    from zeroengine.tools.scale_model import Hardware, Job, predict
     P, N = 7e9, 64
     for stage, volume in [(0, 2), (1, 2), (2, 2), (3, 3)]:
         pred = predict(Job(P, stage, N, reduce_bucket_size=10**8, prefetch_bucket_size=10**8))
@@ -135,7 +135,7 @@ def test_scale_model_memory_is_the_formula_plus_buffers_and_comm_is_the_papers_v
 
 
 def test_scale_model_hides_communication_behind_enough_compute():
-    from zeroengine.scale_model import Hardware, Job, predict
+    from zeroengine.tools.scale_model import Hardware, Job, predict
     hw = Hardware(flops=1e15, bandwidth=1e11, latency=0.0)
     many_tokens = predict(Job(1e9, 3, 8, tokens_per_rank=10**6), hw)
     few_tokens = predict(Job(1e9, 3, 8, tokens_per_rank=10), hw)
@@ -145,7 +145,7 @@ def test_scale_model_hides_communication_behind_enough_compute():
 
 
 def test_recommend_picks_the_least_sharding_that_fits():
-    from zeroengine.scale_model import Hardware, recommend
+    from zeroengine.tools.scale_model import Hardware, recommend
     roomy = Hardware(device_memory=10**15)
     job, pred = recommend(1e9, 8, roomy)
     assert job.stage == 0 and pred.fits(roomy)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zeroengine.local_ranks import run_ranks
+from zeroengine.testing import run_ranks
 
 N = 7  # elements per rank's chunk
 
 
 def collectives(mode: str):
-    from zeroengine.comm import Comm, init_distributed
+    from zeroengine.dist.comm import Comm, init_distributed
     init_distributed()
     comm = Comm()
     comm._p2p_reduce_scatter = mode == "p2p"
@@ -53,7 +53,7 @@ def test_collectives_native_and_fallback(mode):
 
 
 def test_single_process_collectives_are_local():
-    from zeroengine.comm import Comm
+    from zeroengine.dist.comm import Comm
     comm = Comm()
     assert comm.world_size == 1
     out = torch.empty(4)

@@ -6,12 +6,13 @@ import os
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import zeroengine
 from zeroengine.config import ConfigError, parse_config, reference_markdown, resolve_auto
-from zeroengine.optim_factory import optimizer_from_config
-from zeroengine.schedulers import WarmupDecayLR, WarmupLR, scheduler_from_config
+from zeroengine.core.optimizer_factory import optimizer_from_config
+from zeroengine.core.schedulers import WarmupDecayLR, WarmupLR, scheduler_from_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -146,8 +147,10 @@ def test_shipped_configs_parse(path):
 
 
 def test_generated_reference_is_up_to_date():
-    with open(os.path.join(ROOT, "docs", "config.md")) as f:
-        assert f.read() == reference_markdown(), "run `make docs` and commit docs/config.md"
+    from zeroengine.tools.job_config import reference_markdown as job_reference
+    for name, text in (("config.md", reference_markdown()), ("job.md", job_reference())):
+        with open(os.path.join(ROOT, "docs", name)) as f:
+            assert f.read() == text, f"run `make docs` and commit docs/{name}"
 
 
 # -- optimizers and schedulers named in the config --------------------------------------------

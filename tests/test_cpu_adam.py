@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from zeroengine.ops import CPUAdam
-from zeroengine.ops import cpu_adam
+from zeroengine.ops import CPUAdam, cpu_adam
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -85,3 +85,49 @@ def test_low_precision_copy_rounds_special_values_like_torch(dtype):
     nan = expected.isnan()
     assert torch.equal(low.isnan(), nan)
     assert torch.equal(low[~nan].view(torch.int16), expected[~nan].view(torch.int16))
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance between a and b in float32 units in the last place (same-sign values:
+    the bit patterns of floats are ordered like the values)."""
+    ia, ib = a.view(torch.int32).long(), b.view(torch.int32).long()
+    return int((ia - ib).abs().max()) if a.numel() else 0
+
+
+def ulp_of(x: torch.Tensor) -> torch.Tensor:
+    """The float32 spacing at |x|, elementwise."""
+    x = x.abs()
+    return torch.nextafter(x, torch.full_like(x, float("inf"))) - x
+
+
+@settings(max_examples=80, deadline=None)
+@given(lr=st.floats(1e-5, 1e-1), beta1=st.sampled_from([0.0, 0.3, 0.5, 0.9, 0.95]),
+       beta2=st.sampled_from([0.9, 0.95, 0.999, 0.9999]), eps=st.sampled_from([1e-8, 1e-6]),
+       weight_decay=st.sampled_from([0.0, 0.01, 0.1]), adamw=st.booleans(),
+       step=st.integers(1, 2000), seed=st.integers(0, 2**16))
+def test_kernel_within_one_ulp_of_the_reference(lr, beta1, beta2, eps, weight_decay, adamw,
+                                               step, seed):
+    """One step from the same state: the C++ kernel and the PyTorch reference that the CUDA
+    path falls back to (and the CUDA kernel mirrors: csrc/common/adam_coefficients.h) agree
+    within one float32 ulp per element, for both lerp forms (beta1 below and above 0.5) and
+    both weight decays. m and v: one ulp of their own value. The parameter is a sum, p*decay -
+    update: one ulp of the largest of the two and the result (where they nearly cancel, one ulp
+    of the update is many ulps of the small result, and that is rounding, not a different
+    formula)."""
+    g = torch.Generator().manual_seed(seed)
+    n = 4099
+    p0, grad = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    m0 = torch.randn(n, generator=g) * 0.1
+    v0 = torch.rand(n, generator=g) * 0.01
+    hyper = (lr, beta1, beta2, eps, weight_decay, step, adamw, True)
+    kernel = [t.clone() for t in (p0, m0, v0)]
+    cpu_adam._ext.adam_step(kernel[0], grad, kernel[1], kernel[2], *hyper, None)
+    reference = [t.clone() for t in (p0, m0, v0)]
+    cpu_adam._adam_torch(reference[0], grad, reference[1], reference[2], *hyper)
+    for name, ours, ref in zip(("exp_avg", "exp_avg_sq"), kernel[1:], reference[1:]):
+        assert ulps(ours, ref) <= 1, f"{name}: {ulps(ours, ref)} ulps apart"
+    decayed = p0 * (1 - lr * weight_decay) if adamw else p0
+    scale = torch.maximum(torch.maximum(decayed.abs(), (reference[0] - decayed).abs()),
+                          reference[0].abs())
+    excess = (kernel[0] - reference[0]).abs() - ulp_of(scale)
+    assert excess.max() <= 0, f"param: {float(excess.max()):.3g} past one ulp"

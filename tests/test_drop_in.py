@@ -9,9 +9,9 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-
-from zeroengine.local_ranks import run_ranks
 from models import batch, loss_fn, make_model, make_optimizer, max_relative_error, param_groups
+
+from zeroengine.testing import run_ranks
 
 STEPS = 3
 
@@ -202,8 +202,8 @@ def test_batchnorm_and_lstm_follow_ddp_buffer_semantics(stage):
 # -- parameters replaced after initialize ----------------------------------------------------------
 def replaced(how: str):
     import zeroengine
-    from zeroengine.drop_in import ParameterReplacedError
-    from zeroengine.sharded_param import ShardedParameterAccessError
+    from zeroengine.core.drop_in import ParameterReplacedError
+    from zeroengine.core.sharded_param import ShardedParameterAccessError
     model = make_model(0)
     opt = make_optimizer("adamw", param_groups(model))
     engine = zeroengine.initialize(model, {"zero_optimization": {
@@ -269,7 +269,7 @@ def stage3_reads(_):
     import copy
 
     import zeroengine
-    from zeroengine.sharded_param import ShardedParameterAccessError
+    from zeroengine.core.sharded_param import ShardedParameterAccessError
     model = make_model(0)
     opt = make_optimizer("adamw", param_groups(model))
     engine = zeroengine.initialize(model, {"zero_optimization": {
@@ -375,7 +375,7 @@ def diverge(pattern: str):
     import time
 
     import zeroengine
-    from zeroengine.stage3 import RankDivergenceError
+    from zeroengine.core.param_fetcher import RankDivergenceError
     model = make_model(0)
     opt = make_optimizer("adamw", param_groups(model))
     engine = zeroengine.initialize(model, {"zero_optimization": {
@@ -433,7 +433,7 @@ class MoENet(torch.nn.Module):
 
 def moe_loop(leaf: bool):
     import zeroengine
-    from zeroengine.stage3 import RankDivergenceError
+    from zeroengine.core.param_fetcher import RankDivergenceError
     torch.manual_seed(0)
     model = MoENet()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

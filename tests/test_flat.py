@@ -5,9 +5,10 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from zeroengine.flat import FlatBuffer, FlatLayout
+from zeroengine.core.layout import FlatBuffer, FlatLayout
 from zeroengine.ops import flatten as flatten_ops
 
 shapes_st = st.lists(st.lists(st.integers(0, 9), min_size=0, max_size=3), min_size=1,
@@ -111,7 +112,7 @@ def test_checkpoint_locate_finds_every_element_where_the_layout_put_it(shapes, w
                                                                          align, data):
     """ckpt_format.locate (what loading a resharded checkpoint reads) agrees with the layout's
     own shard_pieces about which rank and shard offset hold each element of each parameter."""
-    from zeroengine.ckpt_format import locate
+    from zeroengine.checkpoint.format import locate
     layout = FlatLayout(shapes, world, bucket, align)
     group = {"shard_world": world,
              "segments": [[s.start, s.numel, s.shard_offset] for s in layout.segments]}

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from models import make_model, reference_train
 from test_precision import STEPS, TOLERANCE, relative_deviation, train
-from zeroengine.local_ranks import run_ranks
+
 from zeroengine.ops import FusedAdam
+from zeroengine.testing import run_ranks
 
 HYPER = dict(lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
@@ -98,8 +98,8 @@ CASES = [("fp32", s, "adamw", 1.0) for s in (0, 1, 2, 3)] + \
 def train_with_fused_step(cases):
     """test_precision's training, with the inner optimizer FusedAdam on its PyTorch path (on a
     GPU the engine picks it itself, with the kernels)."""
-    import zeroengine.optim as engine_optim
-    from zeroengine.optim_factory import cpu_adam_mode
+    import zeroengine.core.sharded_optimizer as engine_optim
+    from zeroengine.core.optimizer_factory import cpu_adam_mode
 
     def fused_inner(base, groups, device):
         d = base.defaults
@@ -126,10 +126,11 @@ def test_engine_fused_step_matches_plain_pytorch():
 def resume_across_optimizers(root: str, stage: int):
     """2 steps with the fused inner optimizer (what a GPU run has), checkpoint, then 2 more in
     an engine with torch's AdamW inside (what a CPU run has): the state carries over."""
-    import zeroengine
-    import zeroengine.optim as engine_optim
     from models import make_optimizer, param_groups, run_step
     from test_precision import precision_config
+
+    import zeroengine
+    import zeroengine.core.sharded_optimizer as engine_optim
 
     def engine_with(inner_builder):
         engine_optim.build_device_inner = inner_builder

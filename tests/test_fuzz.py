@@ -11,11 +11,12 @@ import typing
 import pytest
 import torch
 import torch.nn as nn
-from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
-from zeroengine.checkpoint import CheckpointError
+from zeroengine.checkpoint.sharded import CheckpointError
 from zeroengine.config import Config, ConfigError, _unwrap_optional, parse_config
-from zeroengine.local_ranks import run_ranks
+from zeroengine.testing import run_ranks
 
 
 # -- configs ---------------------------------------------------------------------------------------

@@ -7,9 +7,9 @@ import time
 
 import pytest
 import torch
-
 from models import batch, loss_fn, make_model, make_optimizer, param_groups, run_step
-from zeroengine.local_ranks import run_ranks
+
+from zeroengine.testing import run_ranks
 
 BASE = {"zero_optimization": {"stage": 2, "reduce_bucket_size": 40}}
 
@@ -81,7 +81,7 @@ def one_rank_skips_backward(timeout_s: float):
     start = time.monotonic()
     try:
         run_step(engine, 1, 1)
-    except zeroengine.comm.CollectiveError as err:
+    except zeroengine.dist.comm.CollectiveError as err:
         return str(err), time.monotonic() - start
     return None, time.monotonic() - start
 
@@ -188,7 +188,7 @@ def test_rank_stopped_by_its_launcher_says_so():
     import subprocess
     import sys
 
-    from zeroengine.local_ranks import free_port
+    from zeroengine.testing import free_port
     code = ("import time, zeroengine; zeroengine.init_distributed(); print('ready', flush=True); "
             "time.sleep(60)")
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",

@@ -10,10 +10,11 @@ import torch
 transformers = pytest.importorskip("transformers", reason="the optional `hf` extra is not "
                                    "installed (pip install 'zeroengine[hf]')")
 
-import zeroengine  # noqa: E402
 from models import max_relative_error  # noqa: E402
-from zeroengine.cli import main as cli  # noqa: E402
-from zeroengine.local_ranks import run_ranks  # noqa: E402
+
+import zeroengine  # noqa: E402
+from zeroengine.testing import run_ranks  # noqa: E402
+from zeroengine.tools.cli import main as cli  # noqa: E402
 
 WORLD, STEPS, VOCAB = 2, 3, 64
 

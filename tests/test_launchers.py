@@ -12,9 +12,9 @@ import uuid
 
 import pytest
 import torch
-
 from models import max_relative_error, reference_train
-from zeroengine.local_ranks import free_port
+
+from zeroengine.testing import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = os.path.join(ROOT, "tests", "resume_job.py")

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from zeroengine.config import parse_config
-from zeroengine.precision import LossScaleFloorError, LossScaler
+from zeroengine.core.precision import LossScaleFloorError, LossScaler
 
 
 def dynamic(**kw):

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import train_on_ranks
+from models import make_model, make_optimizer, max_relative_error, param_groups, train_engine
 
 import zeroengine
-from models import make_model, make_optimizer, max_relative_error, param_groups, run_step
 from zeroengine.config import ConfigError
-from zeroengine.local_ranks import run_ranks
-from zeroengine.optim_factory import cpu_adam_mode
+from zeroengine.core.optimizer_factory import cpu_adam_mode
+from zeroengine.testing import run_ranks
 
 STEPS = 5
 
@@ -37,12 +38,9 @@ def offload_config(stage, precision, optimizer_offload, param_offload, sub_group
 def train(cases, drop_in=False):
     out = []
     for stage, precision, optimizer_offload, param_offload, opt in cases:
-        model = make_model()
-        engine = zeroengine.initialize(
-            model, offload_config(stage, precision, optimizer_offload, param_offload),
-            optimizer=make_optimizer(opt, param_groups(model)))
-        for step in range(STEPS):
-            run_step(engine, step, 2, drop_in)
+        engine, _ = train_engine(
+            offload_config(stage, precision, optimizer_offload, param_offload), opt, STEPS, 2,
+            drop_in)
         master_bytes = sum(4 * fg.layout.shard_numel for fg in engine.flat_groups)
         out.append((engine.consolidated_state_dict(), engine.memory_report(),
                     type(engine.optimizer.inner).__name__, master_bytes))
@@ -66,9 +64,8 @@ def case_id(case):
 def trained():
     baselines = sorted({(s, p, False, False, o) for s, p, _, o in CASES})
     runs = [(s, p, True, po, o) for s, p, po, o in CASES]
-    results = run_ranks(2, train, baselines + runs)
-    by_case = dict(zip(baselines + runs, zip(*results)))  # case -> per-rank results
-    return by_case
+    results = train_on_ranks(2, train, baselines + runs)
+    return {case: results[i] for i, case in enumerate(baselines + runs)}
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)

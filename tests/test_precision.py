@@ -7,10 +7,17 @@ import math
 import pytest
 import torch
 import torch.nn as nn
+from models import (
+    batch,
+    loss_fn,
+    make_model,
+    make_optimizer,
+    param_groups,
+    reference_train,
+    train_engine,
+)
 
-from models import batch, loss_fn, make_model, make_optimizer, param_groups, \
-    reference_train, run_step
-from zeroengine.local_ranks import run_ranks
+from zeroengine.testing import run_ranks
 
 STEPS = 4
 
@@ -37,17 +44,12 @@ CASES = [(p, s, "adamw", 1.0) for p in ("bf16", "fp16", "bf16-fp32reduce", "fp16
 
 
 def train(cases, drop_in=False):
-    import zeroengine
     out = []
     for name, stage, opt, clip in cases:
-        model = make_model()
-        engine = zeroengine.initialize(model, precision_config(name, stage, clip),
-                                       optimizer=make_optimizer(opt, param_groups(model)))
         scales = []
-        for step in range(STEPS):
-            run_step(engine, step, 2, drop_in)
-            scales.append(engine.loss_scale)
-        dtypes = {str(p.dtype) for p in model.parameters()}
+        engine, _ = train_engine(precision_config(name, stage, clip), opt, STEPS, 2, drop_in,
+                                 each_step=lambda e: scales.append(e.loss_scale))
+        dtypes = {str(p.dtype) for p in engine.module.parameters()}
         out.append((engine.consolidated_state_dict(), engine.skipped_steps, scales, dtypes))
         engine.close()
     return out

@@ -13,7 +13,7 @@ import torch
 ray = pytest.importorskip("ray", reason="the optional `ray` extra is not installed "
                           "(pip install 'zeroengine[ray]')")
 
-from zeroengine.ckpt_format import META, rank_file  # noqa: E402
+from zeroengine.checkpoint.format import META, rank_file  # noqa: E402
 from zeroengine.integrations import ray as zray  # noqa: E402
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -23,9 +23,9 @@ from models import max_relative_error, reference_train  # noqa: E402
 
 def train_func(config):
     import torch.distributed as dist
+    from models import make_model, make_optimizer, param_groups, run_step
 
     import zeroengine
-    from models import make_model, make_optimizer, param_groups, run_step
     assert dist.is_initialized()  # Ray built the group; initialize must join it, not rebuild
     model = make_model()
     engine = zeroengine.initialize(

@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
-
 from models import VOCAB, batch, max_relative_error
 from test_precision import TOLERANCE, relative_deviation
-from zeroengine.local_ranks import run_ranks
+from torch.utils.checkpoint import checkpoint
+
+from zeroengine.testing import run_ranks
 
 DIM, HIDDEN, STEPS = 12, 20, 4
 
@@ -243,13 +243,14 @@ def test_inplace_ops_on_module_outputs():
     assert max(run_ranks(2, inplace_outputs)) < 1e-6
 
 
-def _tied_gpt_gather_bytes():
+def _tied_gpt_gather_bytes(reuse=0):
     import zeroengine
     from zeroengine.examples.gpt import GPT, GPTConfig
     zeroengine.init_distributed()
     config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
               "zero_optimization": {"stage": 3, "reduce_bucket_size": 20_000,
-                                    "stage3_param_persistence_threshold": 0}}
+                                    "stage3_param_persistence_threshold": 0,
+                                    "stage3_max_reuse_distance": reuse}}
     torch.manual_seed(0)
     model = GPT(GPTConfig(context=16, layers=3, heads=2, dim=32))  # head tied to embedding
     engine = zeroengine.initialize(model, config)
@@ -259,12 +260,30 @@ def _tied_gpt_gather_bytes():
         engine.backward(model.loss(w[:, :-1], w[:, 1:]))
         engine.step()
     full = sum(fg.layout.numel for fg in engine.flat_groups) * 4
-    return engine.comm_report()["all_gather"]["sent_bytes"], full
+    sent = engine.comm_report()["all_gather"]["sent_bytes"]
+    state = engine.consolidated_state_dict()
+    engine.close()
+    return sent, full, state
 
 
 def test_prefetch_gathers_each_segment_once_per_pass_with_a_tied_head():
     """The head reuses the first segment at the end of forward; prefetch used to restart from
     that segment's position and gather the whole model a third time per step."""
-    sent, full = run_ranks(2, _tied_gpt_gather_bytes)[0]
+    sent, full, _ = run_ranks(2, _tied_gpt_gather_bytes)[0]
     one_gather = full / 2  # ring all-gather at 2 ranks sends half the tensor
     assert 2 * one_gather <= sent <= 2.3 * one_gather, sent / one_gather
+
+
+def test_reuse_distance_keeps_the_last_layers_for_backward():
+    """stage3_max_reuse_distance: segments released at the end of forward that backward uses
+    first stay gathered (fewer all-gather bytes), the larger the distance the more; the
+    trained values do not change. 0 gathers everything again for backward."""
+    runs = {reuse: run_ranks(2, _tied_gpt_gather_bytes, reuse)[0]
+            for reuse in (0, 20_000, 10**9)}
+    sent = {reuse: run[0] for reuse, run in runs.items()}
+    one_gather = runs[0][1] / 2
+    assert sent[10**9] < sent[20_000] < sent[0], sent
+    assert sent[10**9] <= 1.1 * one_gather  # everything kept: gathered once per step
+    for reuse, (_, _, state) in runs.items():
+        for key, value in runs[0][2].items():
+            assert torch.equal(state[key], value), (reuse, key)

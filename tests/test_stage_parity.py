@@ -7,10 +7,13 @@ import itertools
 
 import pytest
 import torch
+from models import (
+    max_relative_error,
+    reference_train,
+    train_engine,
+)
 
-from zeroengine.local_ranks import run_ranks
-from models import make_model, make_optimizer, max_relative_error, param_groups, \
-    reference_train, run_step
+from zeroengine.testing import run_ranks
 
 STEPS = 4
 CASES = [dict(stage=s, opt=o, accumulation=a, clip=c, bucket=b)
@@ -24,11 +27,8 @@ def case_id(c):
 
 def train_cases(cases, drop_in=False):
     """Runs on every rank: train each case with the engine, return consolidated states."""
-    import zeroengine
     out = []
     for c in cases:
-        model = make_model(seed=0)
-        opt = make_optimizer(c["opt"], param_groups(model))
         config = {"gradient_accumulation_steps": c["accumulation"],
                   "gradient_clipping": c["clip"],
                   "zero_optimization": {"stage": c["stage"], "reduce_bucket_size": c["bucket"],
@@ -36,10 +36,7 @@ def train_cases(cases, drop_in=False):
                                         # stage 3: partition every parameter, however small
                                         "stage3_param_persistence_threshold":
                                             c.get("persist", 0)}}
-        engine = zeroengine.initialize(model, config, optimizer=opt)
-        losses = []
-        for step in range(STEPS):
-            losses += run_step(engine, step, c["accumulation"], drop_in)
+        engine, losses = train_engine(config, c["opt"], STEPS, c["accumulation"], drop_in)
         assert engine.global_steps == (0 if drop_in else STEPS)
         if c["stage"] == 3 and engine.comm.world_size > 1:
             # really partitioned, and nothing left gathered between steps

@@ -56,7 +56,7 @@ def test_metrics_go_to_jsonl_and_tensorboard(tmp_path):
     pytest.importorskip("tensorboard", reason="tensorboard is not installed (CI installs it)")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from zeroengine.train_job import MetricsWriter
+    from zeroengine.tools.train_job import MetricsWriter
     writer = MetricsWriter(tmp_path)
     for step in (1, 2):
         writer.write({"step": step, "loss": 3.0 / step, "model_state_mb_per_rank": [1.5, 2.5],
@@ -84,7 +84,7 @@ def test_minimal_example_loop_runs():
 def test_resumed_metrics_hold_each_step_once(tmp_path):
     """A run that stopped at step 4 after its step-2 checkpoint resumes at 2: steps 3-4 run
     again, and their old rows go."""
-    from zeroengine.train_job import MetricsWriter
+    from zeroengine.tools.train_job import MetricsWriter
     writer = MetricsWriter(tmp_path)
     for step in (1, 2, 3, 4):
         writer.write({"step": step, "loss": 1.0})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from zeroengine.local_ranks import run_ranks
+from zeroengine.testing import run_ranks
 
 LAYERS, WIDTH = 16, 1024  # 16.8M parameters, 67 MB in fp32
 CONFIG = {"optimizer": {"type": "SGD", "params": {"lr": 0.1}},

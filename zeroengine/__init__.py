@@ -13,17 +13,18 @@ import warnings
 import torch
 import torch.nn as nn
 
-from .comm import Comm, init_distributed
+from ._version import __version__
 from .config import Config, ConfigError, parse_config, resolve_auto, to_dict
-from .consistency import RankMismatchError, check_rank_consistency
-from .drop_in import install as _install_drop_in
-from .engine import ZeroEngine
-from .optim_factory import check_elementwise, optimizer_from_config
-from .schedulers import scheduler_from_config
-from .stage3 import gathered_parameters
-from .zero_init import zero_init
+from .core.drop_in import install as _install_drop_in
+from .core.engine import ZeroEngine
+from .core.gathered import gathered_parameters
+from .core.optimizer_factory import check_elementwise, optimizer_from_config
+from .core.schedulers import scheduler_from_config
+from .core.sharding import Sharding
+from .core.zero_init import zero_init
+from .dist.comm import Comm, init_distributed
+from .dist.consistency import RankMismatchError, check_rank_consistency
 
-__version__ = "0.1.0"
 _install_drop_in()  # torch.nn.utils.clip_grad_norm_ learns the engine's sharded gradients
 __all__ = ["initialize", "init_distributed", "gathered_parameters", "zero_init", "ZeroEngine",
            "ConfigError", "Config", "parse_config", "RankMismatchError", "__version__"]
@@ -92,8 +93,8 @@ def initialize(model: nn.Module, config, optimizer: torch.optim.Optimizer | None
     check_rank_consistency(model, config_as_built, __version__, comm, device)
     first = next(model.parameters())
     resolve_auto(cfg, comm.world_size, str(first.dtype).replace("torch.", ""))
-    if cfg.zero_optimization.stage != 3 and any(hasattr(p, "_ze_slice")
-                                                for p in model.parameters()):
+    if not Sharding.of_stage(cfg.zero_optimization.stage).parameters and \
+            any(hasattr(p, "_ze_slice") for p in model.parameters()):
         warnings.warn("the model was built under zero_init but the config's stage is "
                       f"{cfg.zero_optimization.stage}: its parameters are made whole again",
                       stacklevel=2)

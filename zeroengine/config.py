@@ -93,8 +93,12 @@ class ZeroConfig:
     offload_param: OffloadConfig = option(OffloadConfig(), "Keep parameter shards in host "
                                           "memory (stage 3); each is copied to the device "
                                           "when gathered.")
-    stage3_prefetch_bucket_size: int = option(50_000_000, "Stage 3: most elements fetched ahead "
-                                              "of use.", lo=0, auto=True)
+    stage3_prefetch_bucket_size: int = option(
+        AUTO, "Stage 3: most elements gathered ahead of their use. \"auto\": sized from the "
+        "model - an eighth of the partitioned elements, at least two of its largest segments "
+        "(a few layers' worth) - so that stage 3 holds a window of the model, not all of it. "
+        "(DeepSpeed's default, 50,000,000, gathers the whole of any smaller model.)", lo=0,
+        auto=True)
     stage3_param_persistence_threshold: int = option(100_000, "Stage 3: parameters with fewer "
                                                      "elements stay whole on every rank.", lo=0,
                                                      auto=True)
@@ -113,8 +117,14 @@ class ZeroConfig:
         "(DeepSpeed's set_z3_leaf_modules), so that every rank gathers the same parameters.")
     stage3_max_live_parameters: int = option(1_000_000_000, "Stage 3: most gathered elements "
                                              "alive at once.", lo=0)
-    stage3_max_reuse_distance: int = option(1_000_000_000, "Stage 3: keep a gathered parameter "
-                                            "if it is reused within this many elements.", lo=0)
+    stage3_max_reuse_distance: int = option(
+        AUTO, "Stage 3: a segment released after its module's forward is kept instead if the "
+        "backward uses it again within this many gathered elements (along the order recorded "
+        "in the first step), as long as stage3_max_live_parameters allows: the last layers of "
+        "a forward stay gathered for the start of backward instead of being gathered again. "
+        "\"auto\": the prefetch window. 0: release every segment after its use. (DeepSpeed's "
+        "default, 1,000,000,000, keeps the whole of any smaller model gathered from forward to "
+        "backward.)", lo=0, auto=True)
     stage3_gather_16bit_weights_on_model_save: bool = option(
         False, "Stage 3: let engine.save_16bit_model() gather the sharded weights and write "
         "them (without it, it writes nothing at stage 3, as in DeepSpeed).")
@@ -159,27 +169,6 @@ class SchedulerConfig:
 
 
 @dataclass
-class JobModelConfig:
-    layers: int = option(4, "Transformer blocks.", lo=1)
-    heads: int = option(4, "Attention heads per block (must divide dim).", lo=1)
-    dim: int = option(256, "Model width.", lo=1)
-    context: int = option(128, "Tokens per training sequence.", lo=2)
-
-
-@dataclass
-class JobConfig:
-    """Settings of the built-in `zeroengine train` job; the engine itself ignores them."""
-    run_name: str = option("gpt-stdlib", "Outputs go to runs/<run_name>/.")
-    model: JobModelConfig = option(JobModelConfig(), "Size of the byte-level GPT.")
-    steps: int = option(200, "Optimizer steps to train.", lo=1)
-    eval_interval: int = option(50, "Evaluate validation loss every this many steps.", lo=1)
-    eval_batches: int = option(4, "Micro-batches per validation evaluation.", lo=1)
-    checkpoint_interval: int = option(100, "Save a sharded checkpoint every this many steps "
-                                      "(0: only at the end).", lo=0)
-    seed: int = option(0, "Seed of model init and data order.")
-
-
-@dataclass
 class Config:
     train_batch_size: Optional[int] = option(None, "Samples per optimizer step over all ranks: "
                                              "micro batch x accumulation steps x world size.",
@@ -221,8 +210,9 @@ class Config:
         choices=("fp32", "bf16", "fp16"))
     wall_clock_breakdown: bool = option(False, "DeepSpeed timers.", no_effect="use "
                                         "benchmarks/step_bench.py and engine.comm_report()")
-    job: JobConfig = option(JobConfig(), "The built-in `zeroengine train` job: model size, steps, "
-                            "evaluation, run name (not a DeepSpeed key; initialize() ignores it).")
+    job: dict = option({}, "The built-in `zeroengine train` job: model size, steps, evaluation, "
+                       "run name (not a DeepSpeed key; initialize() ignores it). Its keys are "
+                       "checked by the job itself: see docs/job.md.")
     zero_allow_untested_optimizer: bool = option(True, "DeepSpeed's guard for client "
                                                  "optimizers.", no_effect="every elementwise "
                                                  "optimizer is supported")
@@ -320,7 +310,9 @@ def _unwrap_optional(t):
     return t, False
 
 
-def _parse_section(cls, raw, path: str):
+def parse_section(cls, raw, path: str):
+    """A dataclass of ``option`` fields from a JSON object, every key and value checked; the
+    engine's sections and the job's (tools/job_config.py) are read with it."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{path or 'config'}: expected an object, got {json.dumps(raw)}")
     hints = typing.get_type_hints(cls)
@@ -342,7 +334,7 @@ def _parse_section(cls, raw, path: str):
         if value is None and optional:
             values[key] = None
         elif dataclasses.is_dataclass(t):
-            values[key] = _parse_section(t, value, full)
+            values[key] = parse_section(t, value, full)
         else:
             values[key] = _coerce(value, t, full, fields[key].metadata)
     return cls(**values)
@@ -368,7 +360,7 @@ def parse_config(source: "str | os.PathLike | dict | Config") -> Config:
     raw = load_json(source) if isinstance(source, (str, os.PathLike)) else source
     if not isinstance(raw, dict):
         raise ConfigError(f"a config must be a JSON object or dict, got {type(raw).__name__}")
-    cfg = _parse_section(Config, raw, "")
+    cfg = parse_section(Config, raw, "")
     if cfg.fp16.enabled is True and cfg.bf16.enabled is True:
         raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one")
     zero = cfg.zero_optimization
@@ -376,9 +368,6 @@ def parse_config(source: "str | os.PathLike | dict | Config") -> Config:
         raise ConfigError("zero_optimization.offload_optimizer needs stage 1, 2 or 3 (it offloads "
                           "the rank's shard of the optimizer state); set zero_optimization.stage "
                           "or offload_optimizer.device 'none'")
-    if cfg.job.model.dim % cfg.job.model.heads:
-        raise ConfigError(f"job.model.heads ({cfg.job.model.heads}) must divide job.model.dim "
-                          f"({cfg.job.model.dim})")
     if zero.offload_param.device != "none" and zero.stage != 3:
         raise ConfigError(f"zero_optimization.offload_param needs stage 3 (only stage 3 shards "
                           f"parameters), but stage is {zero.stage}; set stage 3 or "
@@ -420,6 +409,15 @@ def resolve_batch(cfg: Config, world_size: int) -> None:
     cfg.gradient_accumulation_steps = gas
 
 
+def auto_stage3_window(partitioned_numel: float, largest_segment_numel: float) -> int:
+    """What "auto" means for stage3_prefetch_bucket_size and stage3_max_reuse_distance, in
+    elements: an eighth of the partitioned model and at least two of its largest segments (the
+    next module is then always on its way) - a few layers of a transformer, so the gathered part
+    stays a fraction of the model at any size. The engine resolves it from the model it lays
+    out (ParamFetcher), the scale model from the job it predicts."""
+    return int(max(2 * largest_segment_numel, partitioned_numel // 8))
+
+
 def resolve_auto(cfg: Config, world_size: int, param_dtype_name: str | None = None) -> Config:
     """Replace 'auto' values with what the engine knows; refuse the ones it cannot know."""
     resolve_batch(cfg, world_size)
@@ -432,8 +430,9 @@ def resolve_auto(cfg: Config, world_size: int, param_dtype_name: str | None = No
     if cfg.bf16.enabled == AUTO:
         cfg.bf16.enabled = param_dtype_name == "bfloat16"
     zero_defaults = ZeroConfig()
-    for name in ("reduce_bucket_size", "stage3_prefetch_bucket_size",
-                 "stage3_param_persistence_threshold"):
+    # stage3_prefetch_bucket_size and stage3_max_reuse_distance stay "auto": the engine sizes
+    # them from the model it partitions
+    for name in ("reduce_bucket_size", "stage3_param_persistence_threshold"):
         if getattr(cfg.zero_optimization, name) == AUTO:
             setattr(cfg.zero_optimization, name, getattr(zero_defaults, name))
     return cfg
@@ -447,30 +446,7 @@ def to_dict(cfg) -> dict:
 def reference_markdown() -> str:
     lines = ["# Config reference", "", "Generated from `zeroengine/config.py` by `make docs`; "
              "do not edit by hand.", ""]
-
-    def section(cls, path):
-        hints = typing.get_type_hints(cls)
-        rows, subs = [], []
-        for f in dataclasses.fields(cls):
-            t, _ = _unwrap_optional(hints[f.name])
-            key = f"{path}.{f.name}" if path else f.name
-            if dataclasses.is_dataclass(t):
-                subs.append((t, key, f.metadata["doc"]))
-                continue
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            doc = f.metadata["doc"]
-            if f.metadata["no_effect"]:
-                doc += f" *Accepted, no effect: {f.metadata['no_effect']}.*"
-            allowed = _range_text(f.metadata, t) + (", 'auto'" if f.metadata["auto"] else "")
-            rows.append(f"| `{key}` | `{json.dumps(default)}` | {allowed} | {doc} |")
-        if rows:
-            lines.extend([f"## `{path or 'top level'}`", "",
-                          "| key | default | allowed | meaning |", "|---|---|---|---|", *rows, ""])
-        for t, key, doc in subs:
-            lines.append(f"<!-- {key}: {doc} -->")
-            section(t, key)
-
-    section(Config, "")
+    lines += section_markdown(Config, "")
     lines += [f"Keys starting with `{COMMENT_PREFIX}` are comments and are skipped at any level.",
               ""]
     lines += ["## DeepSpeed keys refused by name", "", "| key | why |", "|---|---|"]
@@ -478,5 +454,27 @@ def reference_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
-if __name__ == "__main__":
-    print(reference_markdown(), end="")
+def section_markdown(cls, path: str) -> list[str]:
+    """Markdown tables of a section's keys (and of its subsections), from their declarations."""
+    lines: list[str] = []
+    hints = typing.get_type_hints(cls)
+    rows, subs = [], []
+    for f in dataclasses.fields(cls):
+        t, _ = _unwrap_optional(hints[f.name])
+        key = f"{path}.{f.name}" if path else f.name
+        if dataclasses.is_dataclass(t):
+            subs.append((t, key, f.metadata["doc"]))
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        doc = f.metadata["doc"]
+        if f.metadata["no_effect"]:
+            doc += f" *Accepted, no effect: {f.metadata['no_effect']}.*"
+        allowed = _range_text(f.metadata, t) + (", 'auto'" if f.metadata["auto"] else "")
+        rows.append(f"| `{key}` | `{json.dumps(default)}` | {allowed} | {doc} |")
+    if rows:
+        lines.extend([f"## `{path or 'top level'}`", "",
+                      "| key | default | allowed | meaning |", "|---|---|---|---|", *rows, ""])
+    for t, key, doc in subs:
+        lines.append(f"<!-- {key}: {doc} -->")
+        lines += section_markdown(t, key)
+    return lines

@@ -8,9 +8,9 @@
 // the CPU's features; at::parallel_for splits the elements across torch's intra-op threads.
 // Built with -fno-math-errno: otherwise sqrt must keep errno semantics and GCC will not
 // vectorise the loop at all.
-// The arithmetic follows torch.optim.AdamW's single-tensor path operation by operation (lerp for
-// m, mul+addcmul for v, sqrt(v)/sqrt(bc2)+eps, addcdiv) except one division by a constant
-// taken as a multiply (see below), so results agree with torch to rounding (~1e-7 relative).
+// The arithmetic is adam_update of csrc/common/adam_coefficients.h, shared with the CUDA kernel:
+// torch.optim.AdamW's single-tensor path operation by operation (lerp for m, mul+addcmul for v,
+// sqrt(v)/sqrt(bc2)+eps, addcdiv), within one float32 ulp of it (tests/test_cpu_adam.py).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -19,15 +19,11 @@
 #include <cmath>
 #include <cstdint>
 
+#include "../common/adam_coefficients.h"
+
 namespace {
 
-// 1 - beta1 and 1 - beta2 are taken in double on the host, as torch's Python code does before
-// handing them to its kernels: in float, 1 - 0.9999f is off by 1.7e-4 relative.
-struct Hyper {
-  float lr, beta1, beta2, eps, weight_decay, step_size, inv_bc2_sqrt;
-  float one_minus_beta1, one_minus_beta2;
-  bool adamw;
-};
+using zeroengine::AdamCoefficients;
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define ZE_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
@@ -83,26 +79,10 @@ struct ToHalf {
 template <typename Convert, bool kLow, bool kLerpFromM>
 ZE_CLONES void adam_range(float* __restrict p, const float* __restrict g, float* __restrict m,
                           float* __restrict v, uint16_t* __restrict low, int64_t begin,
-                          int64_t end, Hyper h) {
-  const float one_minus_beta1 = h.one_minus_beta1, one_minus_beta2 = h.one_minus_beta2;
-  const float lerp_rest = 1.0f - one_minus_beta1;  // torch's (1 - weight), in float
-  // Both weight-decay forms as arithmetic with neutral values instead of branches (x * 1 and
-  // g + x * 0 are exact), so the loop body has no control flow and vectorises in every variant.
-  const float decay = h.adamw ? 1.0f - h.lr * h.weight_decay : 1.0f;  // AdamW: decoupled
-  const float l2 = h.adamw ? 0.0f : h.weight_decay;                    // Adam: L2 in the grad
-  // torch's lerp(m, g, w) is m + w * (g - m) for w < 0.5, else g - (g - m) * (1 - w)
-  // A multiply instead of torch's division by sqrt(bc2) (at most 1 ulp apart): one thread is
-  // bound by the divide/sqrt unit, not by memory, and this takes one of its three operations.
-  const float inv_bc2_sqrt = h.inv_bc2_sqrt;  // 1 / sqrt(bc2) taken in double
+                          int64_t end, AdamCoefficients c) {
   for (int64_t i = begin; i < end; ++i) {
-    const float param0 = p[i];
-    const float grad = g[i] + param0 * l2;
-    float param = param0 * decay;
-    const float diff = grad - m[i];
-    const float mi = kLerpFromM ? m[i] + one_minus_beta1 * diff : grad - diff * lerp_rest;
-    const float vi = v[i] * h.beta2 + one_minus_beta2 * grad * grad;
-    const float denom = std::sqrt(vi) * inv_bc2_sqrt + h.eps;
-    param = param + (-h.step_size) * (mi / denom);
+    float mi = m[i], vi = v[i];
+    const float param = zeroengine::adam_update<kLerpFromM>(p[i], g[i], mi, vi, c);
     m[i] = mi;
     v[i] = vi;
     p[i] = param;
@@ -112,14 +92,13 @@ ZE_CLONES void adam_range(float* __restrict p, const float* __restrict g, float*
 
 template <typename Convert, bool kLow>
 void adam_parallel(float* p, const float* g, float* m, float* v, uint16_t* low, int64_t n,
-                   const Hyper& h) {
+                   const AdamCoefficients& c) {
   const int64_t grain = 1 << 15;
-  const bool from_m = h.one_minus_beta1 < 0.5f;
   at::parallel_for(0, n, grain, [&](int64_t b, int64_t e) {
-    if (from_m) {
-      adam_range<Convert, kLow, true>(p, g, m, v, low, b, e, h);
+    if (c.lerp_from_m) {
+      adam_range<Convert, kLow, true>(p, g, m, v, low, b, e, c);
     } else {
-      adam_range<Convert, kLow, false>(p, g, m, v, low, b, e, h);
+      adam_range<Convert, kLow, false>(p, g, m, v, low, b, e, c);
     }
   });
 }
@@ -143,12 +122,8 @@ void adam_step(at::Tensor p, at::Tensor g, at::Tensor m, at::Tensor v, double lr
   check(m, "exp_avg", n);
   check(v, "exp_avg_sq", n);
   TORCH_CHECK(step >= 1, "step must be >= 1, got ", step);
-  const double bc1 = bias_correction ? 1.0 - std::pow(beta1, static_cast<double>(step)) : 1.0;
-  const double bc2 = bias_correction ? 1.0 - std::pow(beta2, static_cast<double>(step)) : 1.0;
-  Hyper h{static_cast<float>(lr), static_cast<float>(beta1), static_cast<float>(beta2),
-          static_cast<float>(eps), static_cast<float>(weight_decay),
-          static_cast<float>(lr / bc1), static_cast<float>(1.0 / std::sqrt(bc2)),
-          static_cast<float>(1.0 - beta1), static_cast<float>(1.0 - beta2), adamw};
+  const AdamCoefficients h = zeroengine::adam_coefficients(lr, beta1, beta2, eps, weight_decay,
+                                                           step, adamw, bias_correction);
   float *pp = p.data_ptr<float>(), *mp = m.data_ptr<float>(), *vp = v.data_ptr<float>();
   const float* gp = g.data_ptr<float>();
   if (!low.has_value()) {

@@ -4,6 +4,7 @@
 // between float32, bfloat16 and float16 on the way, so gathering an fp32 master into a bf16
 // buffer is the same single pass.
 #include "multi_tensor.cuh"
+#include "../common/flatten_checks.h"
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -65,17 +66,10 @@ void multi_copy(const std::vector<at::Tensor>& src, const std::vector<at::Tensor
 
 std::vector<at::Tensor> slices(const at::Tensor& flat, const std::vector<at::Tensor>& tensors,
                                const std::vector<int64_t>& offsets) {
-  TORCH_CHECK(tensors.size() == offsets.size(), "got ", tensors.size(), " tensors but ",
-              offsets.size(), " offsets");
-  TORCH_CHECK(flat.dim() == 1 && flat.is_contiguous(), "flat must be a contiguous 1-D tensor");
   std::vector<at::Tensor> out;
   out.reserve(tensors.size());
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    TORCH_CHECK(offsets[i] >= 0 && offsets[i] + tensors[i].numel() <= flat.numel(), "tensor ",
-                i, " of ", tensors[i].numel(), " elements at offset ", offsets[i],
-                " overruns the flat buffer of ", flat.numel());
+  for (size_t i = 0; i < tensors.size(); ++i)
     out.push_back(flat.narrow(0, offsets[i], tensors[i].numel()));
-  }
   return out;
 }
 
@@ -83,6 +77,7 @@ std::vector<at::Tensor> slices(const at::Tensor& flat, const std::vector<at::Ten
 
 void cuda_flatten_into(const std::vector<at::Tensor>& tensors, at::Tensor flat,
                        const std::vector<int64_t>& offsets) {
+  check_flatten_args(tensors, flat, offsets, /*writes_tensors=*/false);
   std::vector<at::Tensor> sources;
   sources.reserve(tensors.size());
   for (const auto& t : tensors) sources.push_back(t.contiguous().view({-1}));
@@ -91,12 +86,10 @@ void cuda_flatten_into(const std::vector<at::Tensor>& tensors, at::Tensor flat,
 
 void cuda_unflatten_from(at::Tensor flat, const std::vector<at::Tensor>& tensors,
                          const std::vector<int64_t>& offsets) {
+  check_flatten_args(tensors, flat, offsets, /*writes_tensors=*/true);
   std::vector<at::Tensor> targets;
   targets.reserve(tensors.size());
-  for (const auto& t : tensors) {
-    TORCH_CHECK(t.is_contiguous(), "unflatten_from writes into contiguous tensors only");
-    targets.push_back(t.view({-1}));
-  }
+  for (const auto& t : tensors) targets.push_back(t.view({-1}));
   multi_copy(slices(flat, tensors, offsets), targets);
 }
 

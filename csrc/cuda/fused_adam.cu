@@ -7,9 +7,11 @@
 // *found_nonfinite, so one bad value cannot poison the master weights; the caller decides to
 // skip or raise (a global overflow check before the step skips it altogether).
 //
-// Arithmetic in torch.optim.AdamW's order (lerp for m, v*beta2 + (1-beta2)*g*g,
-// sqrt(v)/sqrt(bc2) + eps, p -= lr/bc1 * m/denom) so results agree with torch to rounding.
+// The coefficients come from csrc/common/adam_coefficients.h and the arithmetic is the CPU
+// kernel's (csrc/adam/cpu_adam.cpp) operation by operation, both following torch.optim.AdamW
+// (its two lerp forms, v*beta2 + (1-beta2)*g*g, sqrt(v)/sqrt(bc2) + eps, p -= lr/bc1 * m/denom).
 #include "multi_tensor.cuh"
+#include "../common/adam_coefficients.h"
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -18,16 +20,12 @@ namespace zeroengine {
 namespace {
 
 struct AdamArgs {
-  float lr, beta1, beta2, eps, weight_decay;
-  float decay;                             // 1 - lr * weight_decay, in double on the host
-  float one_minus_beta1, one_minus_beta2;  // taken in double on the host, as torch does
-  float step_size, inv_bc2_sqrt;           // lr / bc1, 1 / sqrt(bc2)
-  float grad_coef;                         // 1 / loss scale, times the clip coefficient
-  bool adamw;
-  int* found_nonfinite;                    // device flag, set to 1 on any inf/NaN gradient
+  AdamCoefficients c;
+  float grad_coef;      // 1 / loss scale, times the clip coefficient
+  int* found_nonfinite;  // device flag, set to 1 on any inf/NaN gradient
 };
 
-template <typename G, typename L, int Lists>
+template <typename G, typename L, int Lists, bool kLerpFromM>
 __global__ void __launch_bounds__(kThreads)
 adam_kernel(TensorTable<Lists> table, AdamArgs a) {
   int64_t start, n;
@@ -37,24 +35,16 @@ adam_kernel(TensorTable<Lists> table, AdamArgs a) {
   float* __restrict__ m = static_cast<float*>(table.addr[2][t]) + start;
   float* __restrict__ v = static_cast<float*>(table.addr[3][t]) + start;
   L* __restrict__ low = Lists == 5 ? static_cast<L*>(table.addr[Lists - 1][t]) + start : nullptr;
+  const AdamCoefficients& c = a.c;
   bool bad = false;
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-    float grad = static_cast<float>(g[i]) * a.grad_coef;
-    if (!isfinite(grad)) {
+    const float scaled = static_cast<float>(g[i]) * a.grad_coef;
+    if (!isfinite(scaled)) {
       bad = true;
       continue;
     }
-    float param = p[i];
-    if (a.adamw) {
-      param *= a.decay;
-    } else if (a.weight_decay != 0.0f) {
-      grad = fmaf(a.weight_decay, param, grad);
-    }
-    float mi = m[i];
-    mi = mi + a.one_minus_beta1 * (grad - mi);  // lerp(m, g, 1 - beta1)
-    const float vi = v[i] * a.beta2 + a.one_minus_beta2 * grad * grad;
-    const float denom = sqrtf(vi) * a.inv_bc2_sqrt + a.eps;
-    param -= a.step_size * (mi / denom);
+    float mi = m[i], vi = v[i];
+    const float param = adam_update<kLerpFromM>(p[i], scaled, mi, vi, c);
     p[i] = param;
     m[i] = mi;
     v[i] = vi;
@@ -67,7 +57,11 @@ template <typename G, typename L, int Lists>
 void launch_adam(const std::vector<std::vector<at::Tensor>>& lists, const AdamArgs& args) {
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   multi_tensor_apply<Lists>(lists, [&](const TensorTable<Lists>& table, int blocks) {
-    adam_kernel<G, L, Lists><<<blocks, kThreads, 0, stream>>>(table, args);
+    if (args.c.lerp_from_m) {
+      adam_kernel<G, L, Lists, true><<<blocks, kThreads, 0, stream>>>(table, args);
+    } else {
+      adam_kernel<G, L, Lists, false><<<blocks, kThreads, 0, stream>>>(table, args);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
@@ -118,20 +112,8 @@ void fused_adam(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
               found_nonfinite.scalar_type() == at::kInt && found_nonfinite.numel() == 1,
               "found_nonfinite must be a one-element int32 tensor on ", device);
   AdamArgs a;
-  a.lr = static_cast<float>(lr);
-  a.beta1 = static_cast<float>(beta1);
-  a.beta2 = static_cast<float>(beta2);
-  a.eps = static_cast<float>(eps);
-  a.weight_decay = static_cast<float>(weight_decay);
-  a.decay = static_cast<float>(1.0 - lr * weight_decay);
-  a.one_minus_beta1 = static_cast<float>(1.0 - beta1);
-  a.one_minus_beta2 = static_cast<float>(1.0 - beta2);
-  const double bc1 = bias_correction ? 1.0 - std::pow(beta1, static_cast<double>(step)) : 1.0;
-  const double bc2 = bias_correction ? 1.0 - std::pow(beta2, static_cast<double>(step)) : 1.0;
-  a.step_size = static_cast<float>(lr / bc1);
-  a.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));
+  a.c = adam_coefficients(lr, beta1, beta2, eps, weight_decay, step, adamw, bias_correction);
   a.grad_coef = static_cast<float>(grad_coef);
-  a.adamw = adamw;
   a.found_nonfinite = found_nonfinite.data_ptr<int>();
 
   std::vector<std::vector<at::Tensor>> lists{params, grads, exp_avgs, exp_avg_sqs};

@@ -9,21 +9,9 @@
 #include <algorithm>
 #include <vector>
 
-namespace {
+#include "../common/flatten_checks.h"
 
-void check(const std::vector<at::Tensor>& tensors, const at::Tensor& flat,
-           const std::vector<int64_t>& offsets) {
-  TORCH_CHECK(tensors.size() == offsets.size(), "got ", tensors.size(), " tensors but ",
-              offsets.size(), " offsets");
-  TORCH_CHECK(flat.dim() == 1 && flat.is_contiguous(), "flat must be a contiguous 1-D tensor");
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    TORCH_CHECK(offsets[i] >= 0 && offsets[i] + tensors[i].numel() <= flat.numel(),
-                "tensor ", i, " of ", tensors[i].numel(), " elements at offset ", offsets[i],
-                " overruns the flat buffer of ", flat.numel());
-    TORCH_CHECK(tensors[i].device() == flat.device(), "tensor ", i, " is on ",
-                tensors[i].device(), " but the flat buffer is on ", flat.device());
-  }
-}
+namespace {
 
 // Calls copy(i, lo, len) for element ranges [lo, lo+len) of tensor i, covering every element
 // exactly once, spread over threads on CPU.
@@ -53,30 +41,33 @@ void for_each_range(const std::vector<at::Tensor>& tensors, const at::Tensor& fl
 
 }  // namespace
 
+// into: flat[off:off+n] = t for each tensor (flatten); else t = flat[off:off+n] (unflatten).
+static void copy_between(const std::vector<at::Tensor>& tensors, at::Tensor flat,
+                         const std::vector<int64_t>& offsets, bool into) {
+  zeroengine::check_flatten_args(tensors, flat, offsets, /*writes_tensors=*/!into);
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> views;  // flat views of the tensors (a copy only for a source)
+  views.reserve(tensors.size());
+  for (const auto& t : tensors) views.push_back(into ? t.reshape({-1}) : t.view({-1}));
+  for_each_range(views, flat, [&](size_t i, int64_t lo, int64_t len) {
+    at::Tensor part = flat.narrow(0, offsets[i] + lo, len);
+    at::Tensor mine = views[i].narrow(0, lo, len);
+    if (into) {
+      part.copy_(mine);
+    } else {
+      mine.copy_(part);
+    }
+  });
+}
+
 void flatten_into(const std::vector<at::Tensor>& tensors, at::Tensor flat,
                   const std::vector<int64_t>& offsets) {
-  check(tensors, flat, offsets);
-  at::NoGradGuard no_grad;
-  std::vector<at::Tensor> sources;
-  sources.reserve(tensors.size());
-  for (const auto& t : tensors) sources.push_back(t.reshape({-1}));
-  for_each_range(sources, flat, [&](size_t i, int64_t lo, int64_t len) {
-    flat.narrow(0, offsets[i] + lo, len).copy_(sources[i].narrow(0, lo, len));
-  });
+  copy_between(tensors, flat, offsets, /*into=*/true);
 }
 
 void unflatten_from(at::Tensor flat, const std::vector<at::Tensor>& tensors,
                     const std::vector<int64_t>& offsets) {
-  check(tensors, flat, offsets);
-  at::NoGradGuard no_grad;
-  for (const auto& t : tensors)
-    TORCH_CHECK(t.is_contiguous(), "unflatten_from writes into contiguous tensors only");
-  std::vector<at::Tensor> targets;
-  targets.reserve(tensors.size());
-  for (const auto& t : tensors) targets.push_back(t.view({-1}));
-  for_each_range(targets, flat, [&](size_t i, int64_t lo, int64_t len) {
-    targets[i].narrow(0, lo, len).copy_(flat.narrow(0, offsets[i] + lo, len));
-  });
+  copy_between(tensors, flat, offsets, /*into=*/false);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -14,7 +14,7 @@ import torch
 
 import zeroengine
 from zeroengine.examples.gpt import GPT, GPTConfig, num_params
-from zeroengine.train_job import stdlib_corpus
+from zeroengine.tools.train_job import stdlib_corpus
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Python front of the C++/CUDA extensions in csrc/, each with a pure-PyTorch fallback."""
 from .cpu_adam import CPUAdam
-from .cuda_kernels import load_cuda_kernels
+from .extensions import load_cuda_kernels
 from .flatten import flatten_into, unflatten_from, using_extension
 from .fused_adam import FusedAdam
 

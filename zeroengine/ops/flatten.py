@@ -11,10 +11,9 @@ from typing import Sequence
 
 import torch
 
-from ._loader import load_extension
-from .cuda_kernels import load_cuda_kernels
+from .extensions import load_cpu_extension, load_cuda_kernels
 
-_ext = load_extension("_flatten_ext")
+_ext = load_cpu_extension("_flatten_ext")
 
 
 def using_extension() -> bool:

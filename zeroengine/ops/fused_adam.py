@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .cpu_adam import CPUAdam, _adam_torch
-from .cuda_kernels import load_cuda_kernels
+from .extensions import load_cuda_kernels
 
 
 class FusedAdam(CPUAdam):

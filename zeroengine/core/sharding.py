@@ -21,6 +21,11 @@ class Sharding:
         return cls(optimizer_state=stage >= 1, gradients=stage >= 2, parameters=stage == 3)
 
     @property
+    def stage(self) -> int:
+        """The ZeRO stage number, for reports and saved metadata only."""
+        return 3 if self.parameters else 2 if self.gradients else 1 if self.optimizer_state else 0
+
+    @property
     def full_gradient_buffer(self) -> bool:
         """Gradients accumulate in a full-size flat buffer (``param.grad`` are views of it)."""
         return not self.gradients

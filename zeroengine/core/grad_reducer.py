@@ -26,47 +26,80 @@ converted copy of each bucket and the reduced shard is kept in ``reduce_dtype``.
 """
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass, field
+
 import torch
 
-from .comm import Comm, Handle
-from .flat import FlatBuffer
-from .partition import FlatParamGroup
+from ..dist.comm import Comm
+from ..dist.handles import Handle
+from .flat_param_group import FlatParamGroup
+from .layout import FlatBuffer
 from .sharding import Sharding
 
 
 class Bucket:
+    """One segment's gradient on its way to being reduced."""
+
     def __init__(self, group: FlatParamGroup, segment: int):
         self.group = group
         self.segment = segment
         self.param_indices = group.layout.segments[segment].params
         self.ready: set[int] = set()
-        self.launched = False
-        self.staging: torch.Tensor | None = None  # stage 2
-        self.handle: Handle | None = None
+        self.staging: torch.Tensor | None = None  # no full buffer: the segment's gradients
+        self.handle: Handle | None = None  # its collective, while in flight
         self.finish = None  # callable run after the handle completes
+
+    @property
+    def complete(self) -> bool:
+        return len(self.ready) == len(self.param_indices)
+
+
+@dataclass
+class ReductionState:
+    """Where the reducer is in the cycle backward -> ... -> backward -> step (zero_grad)."""
+    owned_valid: list[bool]  # per group: its owned shard holds this cycle's reduced gradient
+    backwards_since_step: int = 0
+    in_backward: bool = False
+    reduce_now: bool = False  # this backward reduces (else stages 0-1 keep gradients local)
+    final: bool = False  # this backward's reductions are the last before the step
+    next_launch: int = 0  # index into the launch order of the next bucket to launch
+    unreduced: bool = False  # stages 0-1: local gradients not yet reduced
+    rescale_pending: bool = False  # stage 1 in place: see GradReducer._prepare_next_reduction
+    defer_reduction: bool = False  # engine.no_sync()
+    scaled_backward: bool = False  # inside engine.backward (fp16 needs the loss scale)
+    in_flight: list[Bucket] = field(default_factory=list)  # launched, in launch order
+
+
+@dataclass(frozen=True)
+class ReduceSettings:
+    """How gradients are reduced (the config's keys, resolved once by the engine)."""
+    accumulation_steps: int  # backwards per optimizer step (gradient_accumulation_steps)
+    overlap: bool  # zero_optimization.overlap_comm: launch buckets during backward
+    reduce_scatter: bool  # zero_optimization.reduce_scatter (False: all-reduce, keep own part)
+    reduce_dtype: torch.dtype | None  # communication_data_type (None: each group's dtype)
+    loss_scaled: bool  # fp16: a backward outside engine.backward lacks the loss scale
 
 
 class GradReducer:
-    def __init__(self, groups: list[FlatParamGroup], comm: Comm, stage: int,
-                 accumulation_steps: int, overlap: bool = True, reduce_scatter: bool = True,
-                 param_order: dict[int, int] | None = None,
-                 reduce_dtype: torch.dtype | None = None):
+    """Reduces gradients during backward, bucket by bucket, and tells its collaborators:
+    ``fetcher`` (stage 3) when a segment's gradients are all taken and when backward ends,
+    ``offload`` when a bucket's reduced gradient has landed in the rank's owned chunk."""
+
+    def __init__(self, groups: list[FlatParamGroup], comm: Comm, sharding: Sharding,
+                 settings: ReduceSettings, *, param_order: dict[int, int] | None = None,
+                 fetcher=None, offload=None):
         self.groups = groups
+        self.comm, self.sharding, self.settings = comm, sharding, settings
+        self.reduce_dtype = settings.reduce_dtype
+        self.fetcher, self.offload = fetcher, offload
         # Per-flat-group lists are indexed by position in ``groups``; one optimizer group can own
         # several flat groups (stage 3 keeps small parameters whole beside partitioned ones).
         self._index = {id(g): i for i, g in enumerate(groups)}
-        self.reduce_dtype = reduce_dtype
-        self.comm = comm
-        self.stage = stage
-        self.sharding = sharding = Sharding.of_stage(stage)
-        self.accumulation_steps = accumulation_steps
-        self.overlap = overlap
-        self.use_reduce_scatter = reduce_scatter
-        # Stage 2 holds at most this many staging elements in flight; past it, backward waits
-        # for the oldest bucket (two buckets' worth: one filling, one on the wire).
+        # Without a full buffer, at most this many staging elements are in flight; past it,
+        # backward waits for the oldest bucket (two buckets' worth: one filling, one on the wire).
         self.max_staging_numel = 2 * max((seg.numel for g in groups
                                           for seg in g.layout.segments), default=0)
-        self._in_flight: list[Bucket] = []  # launched, not yet finished, in launch order
         self.buckets = [Bucket(g, s) for g in groups for s in range(len(g.layout.segments))]
         # Launch order: by when backward completes a bucket, i.e. by the position of its
         # earliest-registered parameter (backward runs roughly in reverse registration order).
@@ -97,43 +130,47 @@ class GradReducer:
             if sharding.gradients or (sharding.optimizer_state and self._reduce_dtype(g) != g.dtype)
             else None
             for g in groups]
-        self._owned_valid = [False] * len(groups)  # False: owned holds nothing this boundary
+        self.state = ReductionState(owned_valid=[False] * len(groups))
         self._hooks = []
         for g in groups:
             for p in g.params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
-        # Stage 1 reducing in place: see _prepare_next_reduction.
-        self._rescale_pending = False
-        if sharding.optimizer_state and sharding.full_gradient_buffer \
-                and any(o is None for o in self.owned):
+        self._reduces_in_place = sharding.optimizer_state and sharding.full_gradient_buffer \
+            and any(o is None for o in self.owned)
+        if self._reduces_in_place:  # see _prepare_next_reduction
             for g in groups:
                 for p in g.params:
                     self._hooks.append(p.register_hook(self._before_accumulate))
-        self._in_backward = False
-        # engine.no_sync(): stages 0-1 keep gradients local (reduced by a later backward or
-        # the step); stages 2-3 hold no full gradient, so they reduce as always.
-        self.defer_reduction = False
-        self._reduce_now = False
-        self._next_launch = 0
-        self.backwards_since_step = 0
-        self._unreduced = False  # stages 0-1: local gradients not yet reduced
-        # Stage 3 listens: a segment whose gradients are all taken is no longer needed whole.
-        self.on_segment_done = None
-        # Offload listens: on_grad_reduced(group, segment, final) after a bucket's reduced
-        # gradient landed in its owned chunk; final: no backward changes it before the step.
-        self.on_grad_reduced = None
-        self._final = False
-        self.on_backward_end = None
-        # fp16: a backward that did not go through engine.backward has no loss scale applied.
-        self.require_scaled_backward = False
-        self.scaled_backward_pending = False
 
     def _reduce_dtype(self, g: FlatParamGroup) -> torch.dtype:
         return self.reduce_dtype or g.dtype
 
+    @property
+    def backwards_since_step(self) -> int:
+        return self.state.backwards_since_step
+
+    @contextlib.contextmanager
+    def scaled_backward(self):
+        """engine.backward's loss.backward(): its loss carries the loss scale."""
+        self.state.scaled_backward = True
+        try:
+            yield
+        finally:
+            self.state.scaled_backward = False
+
+    @contextlib.contextmanager
+    def deferred(self):
+        """engine.no_sync(): stages 0-1 keep gradients local (reduced by a later backward or
+        the step); stages 2-3 hold no full gradient, so they reduce as always."""
+        before, self.state.defer_reduction = self.state.defer_reduction, True
+        try:
+            yield
+        finally:
+            self.state.defer_reduction = before
+
     # -- backward-time ------------------------------------------------------------------------
     def _on_grad_ready(self, param: torch.Tensor) -> None:
-        if not self._in_backward:
+        if not self.state.in_backward:
             self._begin_backward()
         bucket, index = self._where[id(param)]
         if index in bucket.ready:
@@ -142,6 +179,7 @@ class GradReducer:
                 "pass; zeroengine reduces each parameter once per backward (reentrant "
                 "checkpointing does this: use torch.utils.checkpoint(..., use_reentrant=False))")
         g = bucket.group
+        layout = g.layout
         if self.sharding.full_gradient_buffer:
             view = self.full_grads[self._index[id(g)]].param_view(index)
             if param.grad is not view:
@@ -150,78 +188,78 @@ class GradReducer:
                 view.copy_(param.grad)
                 param.grad = view
         else:
+            seg = layout.segments[bucket.segment]
             if bucket.staging is None:
                 # Uninitialised: every byte is written by a gradient, or zeroed at launch
                 # (padding, parameters that got none) - one memory pass saved per micro-step.
-                bucket.staging = torch.empty(g.layout.segments[bucket.segment].numel,
-                                             dtype=self._reduce_dtype(g), device=g.device)
-            slot = g.layout.slots[index]
-            start = slot.offset - g.layout.segments[bucket.segment].start
-            bucket.staging[start:start + slot.numel].copy_(param.grad.reshape(-1))
+                bucket.staging = torch.empty(seg.numel, dtype=self._reduce_dtype(g),
+                                             device=g.device)
+            bucket.staging[seg.local(layout.slots[index])].copy_(param.grad.reshape(-1))
             param.grad = None
         bucket.ready.add(index)
-        if self.on_segment_done is not None and len(bucket.ready) == len(bucket.param_indices):
-            self.on_segment_done(g, bucket.segment)
-        if self._reduce_now and self.overlap:
+        if self.fetcher is not None and bucket.complete:
+            self.fetcher.grads_taken(g, bucket.segment)
+        if self.state.reduce_now and self.settings.overlap:
             self._launch_ready()
 
     def _begin_backward(self) -> None:
-        if self.require_scaled_backward and not self.scaled_backward_pending:
+        st = self.state
+        if self.settings.loss_scaled and not st.scaled_backward:
             raise RuntimeError("fp16 training needs engine.backward(loss), which applies the "
                                "loss scale; a plain loss.backward() was called")
-        self._in_backward = True
-        boundary = (self.backwards_since_step + 1) % self.accumulation_steps == 0 \
-            and not self.defer_reduction
-        self._reduce_now = self.sharding.gradients or boundary
-        self._final = boundary
-        self._next_launch = 0
+        st.in_backward = True
+        boundary = (st.backwards_since_step + 1) % self.settings.accumulation_steps == 0 \
+            and not st.defer_reduction
+        st.reduce_now = self.sharding.gradients or boundary
+        st.final = boundary
+        st.next_launch = 0
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _launch_ready(self) -> None:
-        while self._next_launch < len(self.buckets):
-            b = self.buckets[self._next_launch]
-            if len(b.ready) < len(b.param_indices):
-                break
-            self._start_reduce(b)
-            self._next_launch += 1
+        st = self.state
+        while st.next_launch < len(self.buckets) and self.buckets[st.next_launch].complete:
+            self._start_reduce(self.buckets[st.next_launch])
+            st.next_launch += 1
         self._reap()
 
     def _reap(self) -> None:
-        """Finish buckets whose collective is done (freeing stage-2 staging memory while
-        backward still runs); wait for the oldest while staging in flight is over budget."""
-        while self._in_flight:
-            oldest = self._in_flight[0]
+        """Finish buckets whose collective is done (freeing staging memory while backward
+        still runs); wait for the oldest while staging in flight is over budget."""
+        in_flight = self.state.in_flight
+        while in_flight:
             over = self.sharding.gradients and sum(
-                b.staging.numel() for b in self._in_flight if b.staging is not None
+                b.staging.numel() for b in in_flight if b.staging is not None
             ) > self.max_staging_numel
-            if not (over or oldest.handle.done()):
+            if not (over or in_flight[0].handle.done()):
                 return
-            self._finish_reduce(oldest)
+            self._finish_reduce(in_flight[0])
 
     def _end_backward(self) -> None:
-        if self._reduce_now:
+        st = self.state
+        if st.reduce_now:
             self._reduce_all()
         else:
-            self._unreduced = True
+            st.unreduced = True
         for b in self.buckets:
             b.ready.clear()
-        self.backwards_since_step += 1
-        self._in_backward = False
-        if self.on_backward_end is not None:
-            self.on_backward_end()
+        st.backwards_since_step += 1
+        st.in_backward = False
+        if self.fetcher is not None:
+            self.fetcher.end_of_pass()
 
     def _reduce_all(self) -> None:
         """Launch every bucket not yet launched, in order, then wait for all of them."""
-        while self._next_launch < len(self.buckets):
-            self._start_reduce(self.buckets[self._next_launch])
-            self._next_launch += 1
+        st = self.state
+        while st.next_launch < len(self.buckets):
+            self._start_reduce(self.buckets[st.next_launch])
+            st.next_launch += 1
             self._reap()
-        while self._in_flight:
-            self._finish_reduce(self._in_flight[0])
+        while st.in_flight:
+            self._finish_reduce(st.in_flight[0])
         # Only now: a bucket finished mid-backward must not make a later bucket of the same
         # pass accumulate onto the stale shard.
-        self._owned_valid = [True] * len(self.groups)
-        self._unreduced = False
+        st.owned_valid = [True] * len(self.groups)
+        st.unreduced = False
         if self.sharding.optimizer_state and self.sharding.full_gradient_buffer:
             self._prepare_next_reduction()
 
@@ -240,18 +278,17 @@ class GradReducer:
             if self.owned[gi] is not None:
                 buf.data.zero_()  # the reduced shard lives apart: nothing here is needed
                 continue
-            for s in range(len(g.layout.segments)):
-                seg_begin = g.layout.segments[s].start
-                own_begin, own_end = g.layout.segments[s].chunk_range(g.rank)
-                seg_end = seg_begin + g.layout.segments[s].numel
-                buf.data[seg_begin:own_begin].zero_()
-                buf.data[own_end:seg_end].zero_()
-            self._rescale_pending = True
+            for s, seg in enumerate(g.layout.segments):
+                view = buf.segment_view(s)
+                own = seg.own_chunk_local(g.rank)
+                view[:own.start].zero_()
+                view[own.stop:].zero_()
+            self.state.rescale_pending = True
 
     def _before_accumulate(self, grad: torch.Tensor) -> None:
         """Stage 1, in place: the first gradient of a backward that follows a reduction."""
-        if self._rescale_pending:
-            self._rescale_pending = False
+        if self.state.rescale_pending:
+            self.state.rescale_pending = False
             for gi, g in enumerate(self.groups):
                 if self.owned[gi] is None:
                     for s in range(len(g.layout.segments)):
@@ -283,24 +320,22 @@ class GradReducer:
                 after = lambda: grads.copy_(source)  # noqa: E731
         else:
             owned = self.owned_chunk(g, b.segment)
-            accumulate = self._owned_valid[gi] and self.owned[gi] is not None
+            accumulate = self.state.owned_valid[gi] and self.owned[gi] is not None
             out = torch.empty_like(owned) if accumulate else owned
             b.handle = self.comm.reduce_scatter(out, source, "avg", async_op=True,
-                                                via_all_reduce=not self.use_reduce_scatter,
+                                                via_all_reduce=not self.settings.reduce_scatter,
                                                 what=what)
             if accumulate:
                 after = lambda: owned.add_(out)  # noqa: E731
         b.finish = after
-        b.launched = True
-        self._in_flight.append(b)
+        self.state.in_flight.append(b)
 
     def owned_chunk(self, g: FlatParamGroup, segment: int) -> torch.Tensor:
         """Where the rank's reduced gradient for one segment lives."""
         gi = self._index[id(g)]
         if self.owned[gi] is None:
             return self.full_grads[gi].chunk_view(segment, g.rank)
-        seg = g.layout.segments[segment]
-        return self.owned[gi][seg.shard_offset:seg.shard_offset + seg.chunk_numel]
+        return g.layout.segments[segment].of_shard(self.owned[gi])
 
     @staticmethod
     def _zero_unwritten(b: Bucket) -> None:
@@ -308,39 +343,37 @@ class GradReducer:
         layout = b.group.layout
         seg = layout.segments[b.segment]
         b.staging[seg.used:].zero_()
-        if len(b.ready) < len(b.param_indices):
+        if not b.complete:
             for i in b.param_indices:
                 if i not in b.ready:
-                    slot = layout.slots[i]
-                    start = slot.offset - seg.start
-                    b.staging[start:start + slot.numel].zero_()
+                    b.staging[seg.local(layout.slots[i])].zero_()
 
     def _finish_reduce(self, b: Bucket) -> None:
-        if not b.launched:
-            return
         b.handle.wait()
         if b.finish is not None:
             b.finish()
-        if self.on_grad_reduced is not None and self.sharding.optimizer_state:
-            self.on_grad_reduced(b.group, b.segment, self._final)
-        b.handle, b.finish, b.launched = None, None, False
+        if self.offload is not None and self.sharding.optimizer_state:
+            self.offload.grad_reduced(b.group, b.segment, self.owned_chunk(b.group, b.segment),
+                                      self.state.final)
+        b.handle, b.finish = None, None
         b.staging = None  # stage 2: the bucket's memory goes back
-        self._in_flight.remove(b)
+        self.state.in_flight.remove(b)
 
     # -- step-time --------------------------------------------------------------------------------
     def flush(self) -> None:
         """Make the reduced gradients final: reduce what backward left local (stages 0-1, when
         step() comes before the configured boundary) and zero shards no backward wrote."""
-        if self._in_backward:
+        st = self.state
+        if st.in_backward:
             raise RuntimeError("optimizer step called during backward")
-        if self._unreduced:
-            self._next_launch = 0
-            self._final = True
+        if st.unreduced:
+            st.next_launch = 0
+            st.final = True
             self._reduce_all()
         for gi, owned in enumerate(self.owned):
-            if owned is not None and not self._owned_valid[gi]:
+            if owned is not None and not st.owned_valid[gi]:
                 owned.zero_()  # no backward wrote it since the last step
-            self._owned_valid[gi] = True
+            st.owned_valid[gi] = True
 
     def owned_grad_segments(self, group: FlatParamGroup) -> list[torch.Tensor]:
         """The reduced gradient of every chunk the rank owns, aligned with master_segments."""
@@ -354,11 +387,10 @@ class GradReducer:
         for buf in self.full_grads:
             if buf is not None:
                 buf.data.zero_()
-        self._rescale_pending = False
         # Owned shards are overwritten by the next reduce-scatter: no pass over memory needed.
-        self._owned_valid = [False] * len(self.groups)
-        self.backwards_since_step = 0
-        self._unreduced = False
+        self.state = ReductionState(owned_valid=[False] * len(self.groups),
+                                    defer_reduction=self.state.defer_reduction,
+                                    scaled_backward=self.state.scaled_backward)
 
     def nbytes(self) -> int:
         total = sum(b.data.numel() * b.data.element_size() for b in self.full_grads if b)

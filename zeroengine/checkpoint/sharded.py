@@ -1,5 +1,5 @@
 """Sharded checkpoints of a ZeroEngine: every rank writes only what it owns, in parallel, and
-any world size and stage can load any checkpoint (format: ckpt_format.py).
+any world size and stage can load any checkpoint (format: format.py).
 
 Save: all ranks write into ``<save_dir>/<tag>.tmp/`` and fsync; one all-gather brings every
 file's sha256 to rank 0, which writes meta.json (fsynced), renames the directory into place and
@@ -22,8 +22,8 @@ import warnings
 import numpy as np
 import torch
 
-from . import ckpt_format as fmt
-from .ckpt_format import CheckpointError
+from . import format as fmt
+from .format import CheckpointError
 
 
 # -- what the engine holds, by name ----------------------------------------------------------------
@@ -38,32 +38,6 @@ def _names(engine) -> dict[int, str]:
 def _managed(engine) -> set[int]:
     """ids of the parameters held in flat groups (the rest of state_dict is saved as is)."""
     return {id(p) for fg in engine.flat_groups for p in fg.params}
-
-
-def _master_shard(fg) -> torch.Tensor:
-    """The fp32 values of every element the rank owns, as one contiguous CPU tensor."""
-    if fg.master is not None:
-        return fg.master.detach().cpu()
-    return torch.cat([s.detach().float().cpu() for s in fg.master_segments])
-
-
-def _state_shards(engine, fg) -> tuple[dict[str, torch.Tensor], dict]:
-    """Elementwise optimizer state over the rank's shard (key -> tensor), and scalar state."""
-    inner = engine.optimizer.inner
-    shard_numel = fg.layout.shard_numel
-    elementwise: dict[str, torch.Tensor] = {}
-    scalars: dict = {}
-    for seg, master in zip(fg.layout.segments, fg.master_segments):
-        state = inner.state.get(master, {})
-        for key, value in state.items():
-            if torch.is_tensor(value) and value.numel() == master.numel() and value.dim() > 0:
-                if key not in elementwise:
-                    elementwise[key] = torch.zeros(shard_numel, dtype=value.dtype)
-                elementwise[key][seg.shard_offset:seg.shard_offset + seg.chunk_numel].copy_(
-                    value.detach().reshape(-1))
-            elif key not in scalars:
-                scalars[key] = value.item() if torch.is_tensor(value) else value
-    return elementwise, scalars
 
 
 def _jsonable(value):
@@ -131,8 +105,8 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None,
     for gi, fg in enumerate(engine.flat_groups):
         if fg.layout.world_size == 1 and comm.rank != 0:
             continue  # stage 0: one owner, rank 0 writes for all
-        elementwise, scalars = _state_shards(engine, fg)
-        tensors[f"{gi}.master"] = _master_shard(fg)
+        elementwise, scalars = engine.optimizer.shard_state(fg)
+        tensors[f"{gi}.master"] = fg.master_shard()
         for key, value in elementwise.items():
             tensors[f"{gi}.state.{key}"] = value
         groups_meta.append({  # used by rank 0, which owns a part of every group
@@ -194,7 +168,7 @@ def _module_rest(engine) -> dict[str, torch.Tensor]:
 
 
 def _meta(engine, names, groups_meta, files, tag) -> dict:
-    from . import __version__
+    from .. import __version__
     managed = _managed(engine)
     state_dict_keys = {k: (names[id(v)] if id(v) in managed else None)
                        for k, v in engine.module.state_dict(keep_vars=True).items()}
@@ -250,7 +224,7 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, *,
         _check_optimizer_compatible(engine, meta, path)
     for fg in engine.flat_groups:
         _load_group(engine, fg, names, meta, reader, load_states, path)
-    _republish(engine)
+    engine.optimizer.republish()
     extras = fmt.load_extras(fmt.verify(path, fmt.rank_file(0, "pt"), meta))
     _load_module_rest(engine, extras.get("module_rest", {}), path)
     if load_module_only:
@@ -310,63 +284,19 @@ def _load_group(engine, fg, names, meta, reader, load_states: bool, path: str) -
             raise CheckpointError(f"parameter {name!r} has shape {tuple(expected)} but "
                                   f"{os.path.join(path, fmt.META)} saved {tuple(shape)}")
         reader.read(gi, "master", offset + piece.param_offset, piece.numel,
-                    master[piece.shard_offset:piece.shard_offset + piece.numel])
+                    piece.of_shard(master))
         located.append((piece, gi, offset))
         state_keys.update(meta["groups"][gi]["state_keys"])
         scalars.update(meta["groups"][gi]["scalar_state"])
-    _write_master(fg, master)
+    fg.load_master_shard(master)
     if not load_states or not state_keys:
         return
     shards = {key: torch.zeros(fg.layout.shard_numel, dtype=torch.float32) for key in state_keys}
     for piece, gi, offset in located:
         for key in meta["groups"][gi]["state_keys"]:
             reader.read(gi, f"state.{key}", offset + piece.param_offset, piece.numel,
-                        shards[key][piece.shard_offset:piece.shard_offset + piece.numel])
-    _write_state(engine, fg, shards, scalars)
-
-
-def _write_master(fg, master: torch.Tensor) -> None:
-    for seg, target in zip(fg.layout.segments, fg.master_segments):
-        target.copy_(master[seg.shard_offset:seg.shard_offset + seg.chunk_numel])
-
-
-def _write_state(engine, fg, shards: dict[str, torch.Tensor], scalars: dict) -> None:
-    """Install the state through the inner optimizer's own load_state_dict, so each class gets
-    its own dtypes and devices (torch keeps ``step`` as a tensor, CPUAdam as an int)."""
-    inner = engine.optimizer.inner
-    from .ops import CPUAdam
-    wants_int_step = isinstance(inner, CPUAdam)
-    current = inner.state_dict()
-    index_of = {}
-    i = 0
-    for group in inner.param_groups:
-        for p in group["params"]:
-            index_of[id(p)] = i
-            i += 1
-    state = current["state"]
-    for seg, master in zip(fg.layout.segments, fg.master_segments):
-        entry = {}
-        for key, value in scalars.items():
-            if key == "step":
-                entry[key] = int(value) if wants_int_step else torch.tensor(float(value))
-            else:
-                entry[key] = value
-        for key, shard in shards.items():
-            entry[key] = shard[seg.shard_offset:seg.shard_offset + seg.chunk_numel].clone().to(
-                master.device)
-        state[index_of[id(master)]] = entry
-    inner.load_state_dict({"state": state, "param_groups": current["param_groups"]})
-
-
-def _republish(engine) -> None:
-    """Compute-dtype chunks from the masters, then whole parameters gathered everywhere."""
-    for fg in engine.flat_groups:
-        fg.publish_master()
-        if fg.sharded and not fg.partitioned:
-            for s in range(len(fg.layout.segments)):
-                engine.comm.all_gather(fg.full.segment_view(s), fg.chunk(s))
-    if engine.fetcher is not None:
-        engine.fetcher.refresh_gathered()
+                        piece.of_shard(shards[key]))
+    engine.optimizer.load_shard_state(fg, shards, scalars)
 
 
 def _load_module_rest(engine, rest: dict, path: str) -> None:

@@ -146,11 +146,15 @@ class ForwardGuard:
         self.module = module
         self.broadcast = broadcast
         self.check_ranks = check_ranks
-        self.names = dict(module.named_parameters(remove_duplicate=False))
         self.where = {}  # id(param) -> (its flat group, index in it)
         for fg in flat_groups:
             for i, p in enumerate(fg.params):
                 self.where[id(p)] = (fg, i)
+        # (owning module, its attribute name, the managed parameter, full name): checked with
+        # one dict lookup each per forward instead of a named_parameters() walk
+        self.slots = [(mod, local, p, f"{prefix}.{local}" if prefix else local)
+                      for prefix, mod in module.named_modules(remove_duplicate=False)
+                      for local, p in mod._parameters.items() if id(p) in self.where]
         self.managed = [(name, p) for name, p in module.named_parameters()
                         if id(p) in self.where]
         self.storage = {id(p): p.untyped_storage()._cdata for _, p in self.managed}
@@ -177,9 +181,8 @@ class ForwardGuard:
                 "without DDP, or let a zeroengine integration drive the framework")
 
     def check_parameters(self) -> None:
-        for name, p in self.module.named_parameters(remove_duplicate=False):
-            expected = self.names.get(name)
-            if expected is not None and p is not expected and id(expected) in self.where:
+        for mod, local, expected, name in self.slots:
+            if mod._parameters.get(local) is not expected:
                 raise ParameterReplacedError(
                     f"parameter {name!r} was replaced by another Parameter object after "
                     "zeroengine.initialize() (e.g. `module.weight = nn.Parameter(...)` or "

@@ -7,10 +7,10 @@ holding it) gets:
 - on its forward outputs, gradient hooks that gather the same segments again just before the
   module's own backward runs (the pre-backward "unshard").
 In backward a segment is released as soon as every parameter in it has had its gradient reduced
-(GradReducer calls ``on_segment_reduced``), and whatever is still gathered when backward ends
+(GradReducer calls ``grads_taken``), and whatever is still gathered when backward ends
 is released then (parameters that got no gradient).
 
-Releasing empties the storage of the segment's full tensor (see partition.py); gathering
+Releasing empties the storage of the segment's full tensor (see flat_param_group.py); gathering
 refills it, so the model's parameter objects never change.
 
 Prefetch: the first forward+backward records the order in which segments are first requested.
@@ -21,16 +21,17 @@ gathered on demand, and one prefetched but never used is released when the pass 
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.nn as nn
 
-from .comm import Comm, Handle
+from ..config import auto_stage3_window
+from ..dist.comm import Comm
+from ..dist.handles import GATHER, PREFETCH, Handle
 from .drop_in import EngineHook
-from .partition import FlatParamGroup
+from .flat_param_group import FlatParamGroup
 from .sharded_param import ShardedParameterAccessError, mark_sharded, unmark_sharded
 
 Key = tuple[int, int]  # (index of the partitioned group, segment)
@@ -73,9 +74,13 @@ class _Order:
 
 
 class ParamFetcher:
-    def __init__(self, module: nn.Module, groups: list[FlatParamGroup], comm: Comm,
-                 prefetch_numel: int = 50_000_000, max_live_numel: int = 1_000_000_000,
+    def __init__(self, module: nn.Module, groups: list[FlatParamGroup], comm: Comm, *,
+                 prefetch_numel: int, max_live_numel: int, max_reuse_numel: int,
                  check_order: bool = True, leaf_modules=()):
+        """``prefetch_numel``: most elements gathered ahead of use; ``max_live_numel``: most
+        gathered at once; ``max_reuse_numel``: a segment whose next use (along the recorded
+        order) comes within this many gathered elements is kept instead of released. The
+        config's stage3_* keys, resolved from the model when "auto" (see ``auto_window``)."""
         self.groups = groups
         # Every forward starts with a cross-rank check (cheap: one per forward); checking
         # before every gather too catches a branch taken on one rank, at a price (see config).
@@ -87,7 +92,9 @@ class ParamFetcher:
         self.comm = comm
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
+        self.max_reuse_numel = max_reuse_numel
         self.gathered: dict[Key, _Gathered] = {}
+        self._group_index = {id(g): gi for gi, g in enumerate(groups)}
         where: dict[int, Key] = {}
         for gi, g in enumerate(groups):
             for s, seg in enumerate(g.layout.segments):
@@ -95,8 +102,6 @@ class ParamFetcher:
                     where[id(g.params[i])] = (gi, s)
         self.where = where
         self._param_names = {id(p): name for name, p in module.named_parameters()}
-        for param_id in where:
-            _FETCHER_OF[param_id] = self
         self._hooks = []
         self.module_keys: dict[nn.Module, list[Key]] = {}
         for mod, leaf in _fetch_units(module, set(leaf_modules)):
@@ -117,6 +122,8 @@ class ParamFetcher:
         self._recording: dict[str, _Order] | None = {"forward": _Order(), "backward": _Order()}
         self._orders: dict[str, list[Key]] = {"forward": [], "backward": []}
         self._positions: dict[str, dict[Key, int]] = {"forward": {}, "backward": {}}
+        # elements gathered before each position of an order: _before[phase][i]
+        self._before: dict[str, list[int]] = {"forward": [0], "backward": [0]}
         self._phase = "forward"
         # Furthest position of the current pass, per phase: a module late in the pass that uses
         # an early segment (a head tied to the embedding) must not restart the prefetch from
@@ -192,8 +199,7 @@ class ParamFetcher:
         # CUDA: prefetches complete on their own side stream, tracked apart from on-demand
         # gathers (NCCL still runs the collectives of one communicator in issue order)
         entry = _Gathered(self.comm.all_gather(
-            full, g.chunk_on_device(s), async_op=True,
-            stream="prefetch" if prefetch else "gather",
+            full, g.chunk_on_device(s), async_op=True, role=PREFETCH if prefetch else GATHER,
             what=lambda: f"stage-3 parameters {self._names_of(key)}"), verify=verify)
         self.gathered[key] = entry
         self.gathers += 1
@@ -267,6 +273,10 @@ class ParamFetcher:
         self._wait(entry)
         if self._recording is not None:
             self._recording[self._phase].add(key)
+        elif not user:
+            reached = self._reached
+            reached[self._phase] = max(reached[self._phase],
+                                       self._positions[self._phase].get(key, -1))
         return entry
 
     def _free(self, key: Key) -> None:
@@ -297,7 +307,7 @@ class ParamFetcher:
             else:
                 entry.refs = max(0, entry.refs - 1)
             entry.in_backward = entry.in_backward or keep_for_backward
-            if not entry.held and not entry.in_backward:
+            if not entry.held and not entry.in_backward and not self._reused_soon(key):
                 self._free(key)
 
     def write_back(self, keys: list[Key], src: int) -> None:
@@ -307,11 +317,8 @@ class ParamFetcher:
             g = self.groups[gi]
             full = g.segment_full[s]
             self.comm.broadcast(full, src)
-            begin, end = g.layout.segments[s].chunk_range(g.rank)
-            start = g.layout.segments[s].start
-            g.chunk(s).copy_(full[begin - start:end - start])
-            if g.master is not None:
-                g.master_segments[s].copy_(g.chunk(s))
+            g.chunk(s).copy_(full[g.layout.segments[s].own_chunk_local(g.rank)])
+            g.refresh_master([s])
 
     def gather_for_backward(self, keys: list[Key]) -> None:
         self._phase = "backward"
@@ -319,9 +326,13 @@ class ParamFetcher:
             self._ready(key).in_backward = True
         self._prefetch_after(keys)
 
-    def on_segment_reduced(self, group: FlatParamGroup, segment: int) -> None:
-        """Every parameter of the segment has its gradient: backward needs it no more."""
-        key = (self.groups.index(group), segment)
+    def grads_taken(self, group: FlatParamGroup, segment: int) -> None:
+        """GradReducer: every parameter of the segment has its gradient, so backward needs it
+        no more (a group this fetcher does not partition is ignored)."""
+        gi = self._group_index.get(id(group))
+        if gi is None:
+            return
+        key = (gi, segment)
         entry = self.gathered.get(key)
         if entry is not None and not entry.held:
             self._free(key)
@@ -341,6 +352,10 @@ class ParamFetcher:
             for phase, order in self._recording.items():
                 self._orders[phase] = order.keys
                 self._positions[phase] = {k: i for i, k in enumerate(order.keys)}
+                before = [0]
+                for k in order.keys:
+                    before.append(before[-1] + self._segment_numel(k))
+                self._before[phase] = before
             self._recording = None
 
     def refresh_gathered(self) -> None:
@@ -359,6 +374,23 @@ class ParamFetcher:
     def release_unheld(self) -> None:
         for key in [k for k, e in self.gathered.items() if not e.held]:
             self._free(key)
+
+    def _reused_soon(self, key: Key) -> bool:
+        """Whether a segment released in forward is used again in the backward soon enough to
+        keep it: within ``max_reuse_numel`` elements gathered from here (the rest of forward,
+        then backward up to it, along the recorded order) and under ``max_live_numel``.
+        Only forward -> backward: a segment kept past backward would be stale after the
+        optimizer step and gathered again anyway."""
+        if self._phase != "forward" or self.max_reuse_numel <= 0 or self._recording is not None \
+                or not torch.is_grad_enabled() or key not in self._positions["backward"]:
+            return False
+        here = max(self._reached["forward"], self._positions["forward"].get(key, -1))
+        forward = self._before["forward"]
+        distance = forward[-1] - forward[min(here + 1, len(forward) - 1)] + \
+            self._before["backward"][self._positions["backward"][key]]
+        # kept, it must still leave room under max_live for a module of its size to gather
+        live = self.gathered_numel() + self._segment_numel(key)
+        return distance <= self.max_reuse_numel and live <= self.max_live_numel
 
     # -- prefetch ------------------------------------------------------------------------------
     def _prefetch_after(self, keys: list[Key]) -> None:
@@ -392,12 +424,16 @@ class ParamFetcher:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        for param_id in self.where:
-            if _FETCHER_OF.get(param_id) is self:
-                del _FETCHER_OF[param_id]
         for g in self.groups:
             for p in g.params:
                 unmark_sharded(p)
+
+
+def auto_window(groups: list[FlatParamGroup]) -> int:
+    """Stage 3's "auto" prefetch window and reuse distance for these groups (config.py's
+    auto_stage3_window)."""
+    sizes = [seg.numel for g in groups for seg in g.layout.segments]
+    return auto_stage3_window(sum(sizes), max(sizes, default=0))
 
 
 def _fetch_units(root: nn.Module, leaf_names: set[str]):
@@ -421,82 +457,6 @@ def _fetch_units(root: nn.Module, leaf_names: set[str]):
     if missing:
         raise ValueError(f"zero_optimization.stage3_leaf_modules names {sorted(missing)}, but "
                          "the model has no module of such a class")
-
-
-# Which fetcher partitions a parameter (by id), for gathered_parameters().
-_FETCHER_OF: dict[int, ParamFetcher] = {}
-
-
-@contextlib.contextmanager
-def gathered_parameters(params, modifier_rank: int | None = None):
-    """Inside the block the full values of ``params`` are visible on every rank (a collective:
-    every rank must enter it). With ``modifier_rank=r``, changes made on rank r are written to
-    every rank's shard (and fp32 master) on exit. Parameters not partitioned by stage 3 are
-    already whole; for them only the write-back applies. A loss computed inside the block can
-    be backpropagated after it: the segments then stay gathered until that backward ends."""
-    if isinstance(params, torch.Tensor):
-        params = [params]
-    params = list(params)
-    by_fetcher: dict[int, tuple[ParamFetcher, list[Key]]] = {}
-    for p in params:
-        fetcher = _FETCHER_OF.get(id(p))
-        if fetcher is not None:
-            keys = by_fetcher.setdefault(id(fetcher), (fetcher, []))[1]
-            if fetcher.where[id(p)] not in keys:
-                keys.append(fetcher.where[id(p)])
-    passes = {}
-    for fetcher, keys in by_fetcher.values():
-        keys.sort()
-        fetcher.acquire(keys, user=True)
-        passes[id(fetcher)] = fetcher.passes
-    try:
-        yield
-    finally:
-        for fetcher, keys in by_fetcher.values():
-            if modifier_rank is not None:
-                with torch.no_grad():
-                    fetcher.write_back(keys, modifier_rank)
-            # Kept for a backward still to come only if none ran inside the block.
-            pending = torch.is_grad_enabled() and fetcher.passes == passes[id(fetcher)]
-            fetcher.release(keys, user=True, keep_for_backward=pending)
-        if modifier_rank is not None:
-            partitioned = {id(p) for p in params if id(p) in _FETCHER_OF}
-            whole = [p for p in params if id(p) not in partitioned]
-            if whole:
-                _write_back_whole(whole, modifier_rank)
-
-
-def _write_back_whole(params, src: int) -> None:
-    """Stages 0-2 (or persistent stage-3 parameters): broadcast rank src's values and refresh
-    each rank's fp32 master chunks from them."""
-    touched: dict[int, FlatParamGroup] = {}
-    for p in params:
-        if id(p) not in _WHOLE_OF:
-            raise ValueError(f"parameter of shape {tuple(p.shape)} is not managed by a "
-                             "zeroengine engine")
-        group, comm = _WHOLE_OF[id(p)]
-        comm.broadcast(p.data, src)
-        touched[id(group)] = group
-    for group in touched.values():
-        if group.master is not None:
-            for s, master in enumerate(group.master_segments):
-                master.copy_(group.chunk(s))
-
-
-# Which (group, comm) holds a whole (not partitioned) parameter, for gathered_parameters().
-_WHOLE_OF: dict[int, tuple[FlatParamGroup, Comm]] = {}
-
-
-def register_whole(groups: list[FlatParamGroup], comm: Comm) -> None:
-    for g in groups:
-        for p in g.params:
-            _WHOLE_OF[id(p)] = (g, comm)
-
-
-def unregister_whole(groups: list[FlatParamGroup]) -> None:
-    for g in groups:
-        for p in g.params:
-            _WHOLE_OF.pop(id(p), None)
 
 
 def _tensor_leaves(output) -> list[torch.Tensor]:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ..core.sharding import Sharding
+
 STATES_PER_PARAM = {"adam": 2, "adamw": 2, "cpuadam": 2, "adamax": 2, "nadam": 2, "radam": 2,
                     "sgd": 1, "adagrad": 1, "rmsprop": 1, "adadelta": 2, "asgd": 2, "rprop": 2}
 
@@ -54,23 +56,22 @@ def model_state_bytes(num_params: float, stage: int, world_size: int, precision:
                       states: int = 2, offload_optimizer: bool = False,
                       offload_param: bool = False) -> MemoryEstimate:
     """Bytes of model states per rank (see the module docstring for the formulas)."""
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage must be 0-3, got {stage}")
+    sharding = Sharding.of_stage(stage)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if precision not in ("fp32", "bf16", "fp16"):
         raise ValueError(f"precision must be fp32, bf16 or fp16, got {precision!r}")
-    if offload_optimizer and stage == 0:
+    if offload_optimizer and not sharding.optimizer_state:
         raise ValueError("offload_optimizer needs stage 1-3")
-    if offload_param and stage != 3:
+    if offload_param and not sharding.parameters:
         raise ValueError("offload_param needs stage 3")
     P, N = float(num_params), world_size
     b = 4 if precision == "fp32" else 2
     shard = P / N
-    params = b * shard if stage == 3 else b * P
-    grads = b * shard if stage >= 2 else b * P
+    params = b * shard if sharding.parameters else b * P
+    grads = b * shard if sharding.gradients else b * P
     master = 4 if (precision != "fp32" or offload_optimizer) else 0
-    optimizer = (master + 4 * states) * (shard if stage >= 1 else P)
+    optimizer = (master + 4 * states) * (shard if sharding.optimizer_state else P)
     host = {}
     if offload_optimizer:
         host["host_optimizer_states"], optimizer = optimizer, 0.0

@@ -22,8 +22,9 @@ import functools
 import torch
 import torch.nn as nn
 
-from .comm import Comm, init_distributed
-from .config import parse_config
+from ..config import parse_config
+from ..dist.comm import Comm, init_distributed
+from .sharding import Sharding
 
 _active: "ZeroInit | None" = None
 
@@ -139,7 +140,8 @@ def zero_init(config=None):
     """Construct modules directly sharded across the ranks (joins the process group first).
     With a config whose zero_optimization.stage is not 3 this does nothing: only stage 3 keeps
     parameters sharded."""
-    if config is not None and parse_config(config).zero_optimization.stage != 3:
+    if config is not None and \
+            not Sharding.of_stage(parse_config(config).zero_optimization.stage).parameters:
         yield None
         return
     env = init_distributed()

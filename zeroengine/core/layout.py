@@ -57,6 +57,23 @@ class Segment:
         begin = self.start + rank * self.chunk_numel
         return begin, begin + self.chunk_numel
 
+    def of_shard(self, shard: torch.Tensor) -> torch.Tensor:
+        """This segment's chunk inside a rank's shard tensor (or any tensor laid out like one)."""
+        return shard[self.shard_offset:self.shard_offset + self.chunk_numel]
+
+    def of_full(self, full: torch.Tensor) -> torch.Tensor:
+        """This segment inside a tensor laid out like the whole flat buffer."""
+        return full[self.start:self.start + self.numel]
+
+    def local(self, slot: "ParamSlot") -> slice:
+        """Where a parameter of this segment lies inside a tensor holding just the segment."""
+        begin = slot.offset - self.start
+        return slice(begin, begin + slot.numel)
+
+    def own_chunk_local(self, rank: int) -> slice:
+        """Rank's chunk inside a tensor holding just the segment."""
+        return slice(rank * self.chunk_numel, (rank + 1) * self.chunk_numel)
+
 
 @dataclass(frozen=True)
 class ShardPiece:
@@ -66,6 +83,9 @@ class ShardPiece:
     param_offset: int  # first element within the (flattened) parameter
     shard_offset: int  # first element within the rank's shard
     numel: int
+
+    def of_shard(self, shard: torch.Tensor) -> torch.Tensor:
+        return shard[self.shard_offset:self.shard_offset + self.numel]
 
 
 class FlatLayout:
@@ -142,8 +162,7 @@ class FlatBuffer:
         return self.data[slot.offset:slot.offset + slot.numel].view(slot.shape)
 
     def segment_view(self, seg: int) -> torch.Tensor:
-        s = self.layout.segments[seg]
-        return self.data[s.start:s.start + s.numel]
+        return self.layout.segments[seg].of_full(self.data)
 
     def chunk_view(self, seg: int, rank: int) -> torch.Tensor:
         begin, end = self.layout.segments[seg].chunk_range(rank)
@@ -152,7 +171,7 @@ class FlatBuffer:
 
 def shard_segment_views(shard: torch.Tensor, layout: FlatLayout) -> list[torch.Tensor]:
     """Views of a rank's shard tensor, one per segment (its chunk of that segment)."""
-    return [shard[s.shard_offset:s.shard_offset + s.chunk_numel] for s in layout.segments]
+    return [s.of_shard(shard) for s in layout.segments]
 
 
 def bucket_params(params: Iterable[torch.nn.Parameter]) -> list[tuple[torch.dtype, list]]:

@@ -23,6 +23,7 @@ import torch
 
 import zeroengine
 from zeroengine.examples.gpt import GPT, GPTConfig, num_params
+from zeroengine.tools.job_config import job_config
 
 log = logging.getLogger("zeroengine.train")
 
@@ -173,7 +174,7 @@ class MetricsWriter:
 def run(config_path: str, resume: bool = False, steps: int | None = None,
         run_name: str | None = None, runs_dir: str = "runs") -> dict:
     cfg = zeroengine.parse_config(config_path)
-    job = cfg.job
+    job = job_config(cfg)
     if steps is not None:
         job.steps = steps
     if run_name is not None:
@@ -259,7 +260,7 @@ def run(config_path: str, resume: bool = False, steps: int | None = None,
 
 def _unsharded_mb(cfg, engine, params: int) -> float | None:
     """What each rank would hold without sharding (stage 0, the ZeRO formula), for the plot."""
-    from zeroengine.estimate import model_state_bytes, states_per_param
+    from zeroengine.tools.estimate import model_state_bytes, states_per_param
     try:
         states = states_per_param(cfg.optimizer.type if cfg.optimizer else "adamw")
     except ValueError:  # an optimizer the formulas do not know

@@ -19,7 +19,9 @@ from typing import Callable, NoReturn
 import torch
 import torch.distributed as dist
 
+from ..ops import flatten_into, unflatten_from
 from . import stop_report
+from .handles import GATHER, REDUCE, Handle, StreamRole
 from .launch_env import LaunchEnv, read_launch_env
 
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
@@ -102,40 +104,6 @@ _PEER_MARKS = ("connection closed by peer", "connection reset", "broken pipe",
                "connection refused")
 
 
-class Handle:
-    """An in-flight collective; ``wait()`` makes its result usable: on CPU it blocks, on CUDA
-    it orders the current stream after the collective's event (the host does not block)."""
-
-    def __init__(self, work=None, after: Callable[[], None] | None = None, event=None):
-        # one torch Work, or several (a collective built from point-to-point messages)
-        self._works = [] if work is None else list(work) if isinstance(work, list) else [work]
-        self._after = after
-        self._event = event  # CUDA: recorded on the side stream once the collective is done
-        self.context: tuple | None = None  # (comm, op, what, step) for error messages
-
-    def done(self) -> bool:
-        """True once wait() would not block (but for the fix-up ``after`` runs)."""
-        if self._event is not None:
-            return self._event.query()
-        return all(w.is_completed() for w in self._works)
-
-    def wait(self) -> None:
-        if self._event is not None:
-            torch.cuda.current_stream(self._event.device).wait_event(self._event)
-            self._event = None
-        try:
-            for work in self._works:
-                work.wait()
-        except RuntimeError as err:
-            if self.context is None:
-                raise
-            self.context[0].raise_explained(err, *self.context[1:])
-        self._works = []
-        if self._after is not None:
-            after, self._after = self._after, None
-            after()
-
-
 def _pick(*names: str):
     for name in names:
         fn = getattr(dist, name, None)
@@ -165,9 +133,6 @@ class Comm:
         # its chunk directly halves the bytes (measured on loopback, 2 ranks: 1.00x -> 0.50x).
         self._p2p_reduce_scatter = self.backend == "gloo"
         self._p2p_tag = 0
-        # CUDA: asynchronous collectives are issued from side streams, one per kind ("reduce",
-        # "gather", "prefetch"), so that the compute stream only waits where a result is used.
-        self._streams: dict[tuple[str, int], torch.cuda.Stream] = {}
 
     # -- failures -----------------------------------------------------------------------------
     def explain(self, err: Exception, op: str, what, step: int) -> CollectiveError | None:
@@ -195,15 +160,15 @@ class Comm:
             raise err
         raise explained from err
 
-    def _issue(self, op: str, what, kind: str, tensors: list[torch.Tensor], async_op: bool,
-               issue: Callable[[bool], Handle]) -> Handle:
-        """``issue(async_op)`` a collective on ``tensors``: asynchronous ones complete on the
-        CUDA side stream ``kind`` (on CPU, as they are); a timeout becomes a CollectiveError
-        here or at ``wait()``."""
+    def _issue(self, op: str, what, role: StreamRole | None, tensors: list[torch.Tensor],
+               async_op: bool, issue: Callable[[bool], Handle]) -> Handle:
+        """``issue(async_op)`` a collective on ``tensors``: asynchronous ones run in ``role``
+        (on CUDA its side stream; see handles.py); a timeout becomes a CollectiveError here or
+        at ``wait()``."""
         step = self.step
         try:
-            if async_op:
-                handle = self.on_side_stream(kind, tensors, lambda: issue(True))
+            if async_op and role is not None:
+                handle = role.run(tensors, lambda: issue(True))
             else:
                 handle = issue(False)
         except RuntimeError as err:
@@ -226,37 +191,6 @@ class Comm:
             self._bytes.clear()
         return out
 
-    # -- CUDA side streams --------------------------------------------------------------------
-    def on_side_stream(self, kind: str, tensors: list[torch.Tensor],
-                       launch: Callable[[], Handle]) -> Handle:
-        """Run ``launch`` (which issues an asynchronous collective on ``tensors``) from the side
-        stream of ``kind``, and return a handle whose wait orders the caller's stream after it.
-
-        The side stream first waits for the compute stream (the inputs were produced there),
-        then for the collective itself (NCCL runs it on its own internal stream), then records
-        the event ``wait``/``done`` use. ``record_stream`` keeps the caching allocator from
-        handing the buffers' memory to anyone until the side stream has passed that point: a
-        bucket freed right after ``wait`` cannot be overwritten while the collective still
-        reads or writes it. Off CUDA, just ``launch()``."""
-        if not tensors or not tensors[0].is_cuda:
-            return launch()
-        device = tensors[0].device
-        key = (kind, device.index)
-        stream = self._streams.get(key)
-        if stream is None:
-            stream = self._streams[key] = torch.cuda.Stream(device=device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            inner = launch()
-            for work in inner._works:
-                work.wait()  # NCCL: the side stream (not the host) waits for the collective
-            inner._works = []
-            for t in tensors:
-                t.record_stream(stream)
-            event = torch.cuda.Event()
-            event.record(stream)
-        return Handle(None, inner._after, event)
-
     # -- collectives ------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False,
                    what="") -> Handle:
@@ -264,7 +198,7 @@ class Comm:
         string, or a callable returning one, called only if the collective fails."""
         if self.world_size == 1:
             return Handle()
-        return self._issue("all_reduce", what, "reduce", [tensor], async_op,
+        return self._issue("all_reduce", what, REDUCE, [tensor], async_op,
                            lambda a: self._all_reduce(tensor, op, a))
 
     def _all_reduce(self, tensor: torch.Tensor, op: str, async_op: bool) -> Handle:
@@ -293,7 +227,7 @@ class Comm:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return Handle()
-        return self._issue("reduce_scatter", what, "reduce", [output, input], async_op,
+        return self._issue("reduce_scatter", what, REDUCE, [output, input], async_op,
                            lambda a: self._reduce_scatter_any(output, input, op, a,
                                                               via_all_reduce))
 
@@ -366,15 +300,14 @@ class Comm:
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
-                   stream: str = "gather", what="") -> Handle:
+                   role: StreamRole = GATHER, what="") -> Handle:
         """output[r*n:(r+1)*n] <- input of rank r. ``input`` may alias its own slot in output.
-        ``stream``: the CUDA side stream an asynchronous gather completes on (stage 3's
-        prefetches use "prefetch")."""
+        ``role``: where an asynchronous gather runs (stage 3's prefetches: PREFETCH)."""
         if self.world_size == 1:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return Handle()
-        return self._issue("all_gather", what, stream, [output, input], async_op,
+        return self._issue("all_gather", what, role, [output, input], async_op,
                            lambda a: self._all_gather_any(output, input, a))
 
     def _all_gather_any(self, output: torch.Tensor, input: torch.Tensor,
@@ -394,8 +327,32 @@ class Comm:
         if self.world_size == 1:
             return
         self._count("broadcast", tensor.numel() * tensor.element_size(), 1.0)
-        self._issue("broadcast", what, "", [tensor], False, lambda _: Handle(
+        self._issue("broadcast", what, None, [tensor], False, lambda _: Handle(
             dist.broadcast(tensor, src=src, group=self.group)))
+
+    def broadcast_many(self, tensors: list[torch.Tensor], src: int = 0, what="",
+                       max_numel: int = 1 << 22) -> None:
+        """Rank ``src``'s values of ``tensors`` to every rank, as a few large broadcasts per
+        dtype (flattened into batches of at most ``max_numel`` elements)."""
+        if self.world_size == 1:
+            return
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for same in by_dtype.values():
+            batch: list[torch.Tensor] = []
+            for t in same + [None]:
+                if t is None or (batch and sum(b.numel() for b in batch) + t.numel() > max_numel):
+                    offsets = [0]
+                    for b in batch:
+                        offsets.append(offsets[-1] + b.numel())
+                    flat = torch.empty(offsets[-1], dtype=batch[0].dtype, device=batch[0].device)
+                    flatten_into(batch, flat, offsets[:-1])
+                    self.broadcast(flat, src, what=what)
+                    unflatten_from(flat, batch, offsets[:-1])
+                    batch = []
+                if t is not None:
+                    batch.append(t)
 
     def open_check_group(self) -> None:
         """Collective: a second (gloo, host-side) group for ``gather_ints``. Checks on the
@@ -421,7 +378,7 @@ class Comm:
         mine = torch.tensor(values, dtype=torch.int64)
         out = torch.empty(self.world_size * len(values), dtype=torch.int64)
         self._count("rank_check", out.numel() * out.element_size(), 1.0)
-        handle = self._issue("all_gather", what, "", [out, mine], False, lambda _: Handle(
+        handle = self._issue("all_gather", what, None, [out, mine], False, lambda _: Handle(
             dist.all_gather(list(out.chunk(self.world_size)), mine, group=group,
                             async_op=async_op)))
 
@@ -434,11 +391,11 @@ class Comm:
         if self.world_size == 1:
             return [obj]
         out = [None] * self.world_size
-        self._issue("all_gather_object", "", "", [], False, lambda _: Handle(
+        self._issue("all_gather_object", "", None, [], False, lambda _: Handle(
             dist.all_gather_object(out, obj, group=self.group)))
         return out
 
     def barrier(self, what="") -> None:
         if self.world_size > 1:
-            self._issue("barrier", what, "", [], False,
+            self._issue("barrier", what, None, [], False,
                         lambda _: Handle(dist.barrier(group=self.group)))

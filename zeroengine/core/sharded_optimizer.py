@@ -8,23 +8,26 @@ over chunks of flat buffers equals the step over the original tensors.
 
 A step: make gradients final (``GradReducer.flush``), compute the global norm over all shards,
 clip, copy hyperparameters outer -> inner, step the chunks, then all-gather the updated chunks
-so every rank holds the full parameters again (stages 1-2). With offload (offload.py) the chunks
+so every rank holds the full parameters again (stages 1-2). With offload (optimizer_offload.py) the chunks
 are host copies, the inner optimizer runs on the CPU, and updated values are copied back.
 """
 from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 
 import torch
 
-from .buckets import GradReducer
-from .comm import Comm, Handle
-from .offload import OptimizerOffload, device_wait
-from .ops import CPUAdam, FusedAdam
-from .optim_factory import IMPLEMENTATION_KEYS, build_device_inner, build_host_inner
-from .partition import FlatParamGroup
+from ..dist.comm import Comm
+from ..dist.handles import Handle
+from ..ops import CPUAdam, FusedAdam
+from .flat_param_group import FlatParamGroup
+from .grad_reducer import GradReducer
+from .optimizer_factory import IMPLEMENTATION_KEYS, build_device_inner, build_host_inner
+from .optimizer_offload import OptimizerOffload
 from .precision import LossScaler
+from .sharding import Sharding
 
 logger = logging.getLogger("zeroengine")
 
@@ -33,13 +36,23 @@ class NonFiniteGradientError(FloatingPointError):
     """A step's gradient held inf/NaN and the config's on_nonfinite is 'raise'."""
 
 
+@dataclass(frozen=True)
+class StepSettings:
+    """How a step is taken (the config's keys, resolved once by the engine)."""
+    clip: float  # gradient_clipping (0: off)
+    allgather_bucket_numel: int  # zero_optimization.allgather_bucket_size
+    sub_group_numel: int  # zero_optimization.sub_group_size
+    on_nonfinite: str  # without a loss scaler: "raise" or "skip"
+
+
 class ShardedOptimizer(torch.optim.Optimizer):
     def __init__(self, base: torch.optim.Optimizer, flat_groups: list[FlatParamGroup],
-                 reducer: GradReducer, comm: Comm, clip: float = 0.0,
-                 allgather_bucket_numel: int = 50_000_000,
-                 loss_scaler: LossScaler | None = None, sub_group_numel: int = 1_000_000_000,
-                 offload: OptimizerOffload | None = None, on_nonfinite: str = "raise",
-                 param_names: dict[int, str] | None = None):
+                 reducer: GradReducer, comm: Comm, *, sharding: Sharding, settings: StepSettings,
+                 loss_scaler: LossScaler | None = None, offload: OptimizerOffload | None = None,
+                 fetcher=None, param_names: dict[int, str] | None = None):
+        """Collaborators: ``reducer`` makes the gradients final, ``offload`` (optional) holds
+        the step's host buffers, ``fetcher`` (stage 3) refreshes segments gathered across the
+        step."""
         # Deliberately not calling Optimizer.__init__: it would copy the groups, and sharing the
         # user's dicts is what keeps their schedulers working.
         self.defaults = base.defaults
@@ -54,18 +67,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._zero_grad_profile_name = "ShardedOptimizer.zero_grad"
         self.base_class = type(base)
         self.flat_groups = flat_groups
-        self.reducer = reducer
-        self.comm = comm
-        self.clip = clip
-        self.allgather_bucket_numel = allgather_bucket_numel
+        self.reducer, self.offload, self.fetcher = reducer, offload, fetcher
+        self.comm, self.sharding, self.settings = comm, sharding, settings
         self.last_grad_norm: float | None = None
         self.loss_scaler = loss_scaler
-        self.on_nonfinite = on_nonfinite  # without a loss scaler: "raise" or "skip"
         self.param_names = param_names or {}  # id(param) -> name, for messages
         self.skipped_steps = 0
         self.steps = 0
-        self.sub_groups = self._plan_sub_groups(sub_group_numel)
-        self.after_step = None  # stage 3: refresh segments still gathered across the step
+        self.sub_groups = self._plan_sub_groups(settings.sub_group_numel)
         # torch.nn.utils.clip_grad_norm_ called by the user's loop: (max_norm, norm, backward
         # passes seen then), applied by the next step (see drop_in.py)
         self._user_clip: tuple[float, float, int] | None = None
@@ -76,7 +85,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
                      if k not in IMPLEMENTATION_KEYS}
             self._inner_of_outer[fg.group_index].append(len(inner_groups))
             inner_groups.append({"params": list(fg.master_segments), **hyper})
-        self.offload = offload
         device = flat_groups[0].device if flat_groups else torch.device("cpu")
         self.inner = build_device_inner(base, inner_groups, torch.device(device)) \
             if offload is None else build_host_inner(base, inner_groups)
@@ -203,7 +211,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self.skipped_steps += 1
                 return
         elif not math.isfinite(norm):
-            if self.on_nonfinite == "skip":
+            if self.settings.on_nonfinite == "skip":
                 self.skipped_steps += 1
                 if self.comm.rank == 0:
                     logger.warning("step %d skipped: a gradient is not finite (on_nonfinite="
@@ -216,15 +224,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
             max_norm, user_norm, _ = user_clip
             coef *= min(max_norm / (user_norm + 1e-6), 1.0)
             norm *= coef * scale  # what the config's clipping below sees
-        if self.clip > 0:
+        if self.settings.clip > 0:
             # The coefficient torch.nn.utils.clip_grad_norm_ applies, on unscaled gradients.
-            coef *= min(self.clip / (norm + 1e-6), 1.0)
+            coef *= min(self.settings.clip / (norm + 1e-6), 1.0)
         self._sync_hyperparameters()
         in_flight: list[tuple[Handle, int]] = []
         for batch in self.sub_groups:
             if self._fused:
                 written = self._fused_step(batch, grads, coef)
-                in_flight = self._publish(batch, written, in_flight)
+                in_flight = self.publish(batch, written, in_flight)
                 continue
             copy_out = {}  # master chunk -> tensor receiving its low-precision values
             for fi, s in batch:
@@ -246,13 +254,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self.inner.step()
             for fi, s in batch:
                 self.flat_groups[fi].master_segments[s].grad = None
-            in_flight = self._publish(batch, set(copy_out), in_flight)
+            in_flight = self.publish(batch, set(copy_out), in_flight)
         for handle, _ in in_flight:
             handle.wait()
-        if self.after_step is not None:
+        if self.fetcher is not None and self.fetcher.gathered:
             if self.offload is not None:
                 self.offload.finish_step()  # refreshed segments read the updated chunks
-            self.after_step()
+            self.fetcher.refresh_gathered()
 
     def _fused_step(self, batch, grads, coef: float) -> set:
         """One FusedAdam launch over the batch: gradients as reduced (bf16/fp16/fp32), the
@@ -273,20 +281,35 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.inner.step(low_precision_copies=lows, grad_coef=coef, grads=grad_of)
         return written
 
-    def _publish(self, batch, written: set, in_flight: list[tuple[Handle, int]]):
-        """Make the updated chunks the model's values (unless the step wrote them already) and
-        start gathering them to every rank (stages 1-2)."""
+    def publish(self, batch, written: set, in_flight: list[tuple[Handle, int]]):
+        """Make the updated masters of ``batch`` ((group, segment) pairs) the model's values,
+        unless the step wrote them already (``written``), and start gathering whole groups'
+        chunks to every rank (stages 1-2; stage 3 gathers on use instead). Returns the gathers
+        in flight."""
         for fi, s in batch:
             fg = self.flat_groups[fi]
-            event = None
+            copied = None
             if self.offload is not None:
-                event = self.offload.publish(fi, s, written=(fi, s) in written)
+                copied = self.offload.publish(fi, s, written=(fi, s) in written)
             elif (fi, s) not in written:
-                fg.publish_master([s])
-            if fg.sharded and not fg.partitioned:  # stage 3 gathers on use instead
-                device_wait(event)
+                fg.master_to_chunks([s])
+            if fg.sharded and not fg.partitioned:
+                if copied is not None:
+                    copied.wait()  # the gather reads the chunk the copy writes
                 in_flight = self._all_gather_segment(fg, s, in_flight)
         return in_flight
+
+    def republish(self) -> None:
+        """Every master (changed outside a step: a checkpoint load) becomes the model's
+        values on every rank, as after a step. Collective."""
+        everything = [(fi, s) for fi, fg in enumerate(self.flat_groups)
+                      for s in range(len(fg.layout.segments))]
+        for handle, _ in self.publish(everything, set(), []):
+            handle.wait()
+        if self.offload is not None:
+            self.offload.finish_step()
+        if self.fetcher is not None:
+            self.fetcher.refresh_gathered()
 
     def _first_nonfinite(self, grads: list[list[torch.Tensor]]) -> tuple | None:
         """(group, flat index, parameter name) of this rank's first inf/NaN gradient element."""
@@ -328,7 +351,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Start gathering every rank's updated chunk of segment s, keeping at most
         allgather_bucket_numel elements in flight."""
         full = fg.full.segment_view(s)
-        if sum(n for _, n in in_flight) + full.numel() > self.allgather_bucket_numel:
+        if sum(n for _, n in in_flight) + full.numel() > self.settings.allgather_bucket_numel:
             for handle, _ in in_flight:
                 handle.wait()
             in_flight = []
@@ -361,7 +384,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None,
                 "skipped_steps": self.skipped_steps,
                 "zero": {"rank": self.comm.rank, "world_size": self.comm.world_size,
-                         "stage": self.reducer.stage,
+                         "stage": self.sharding.stage,
                          "shard_numels": [fg.layout.shard_numel for fg in self.flat_groups]}}
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -369,7 +392,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if meta is None:
             raise ValueError("this is not a zeroengine optimizer state dict (no 'zero' entry); "
                              "a plain torch optimizer state cannot be loaded into shards")
-        mine = {"world_size": self.comm.world_size, "stage": self.reducer.stage,
+        mine = {"world_size": self.comm.world_size, "stage": self.sharding.stage,
                 "shard_numels": [fg.layout.shard_numel for fg in self.flat_groups]}
         for key, value in mine.items():
             if meta[key] != value:
@@ -394,6 +417,45 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self.loss_scaler is not None and state_dict.get("loss_scaler"):
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
         self.skipped_steps = state_dict.get("skipped_steps", 0)
+
+    def shard_state(self, fg: FlatParamGroup) -> tuple[dict[str, torch.Tensor], dict]:
+        """The inner optimizer's state over one group's shard, for checkpoints: elementwise
+        tensors laid out like the shard (key -> CPU tensor), and the scalar state."""
+        elementwise: dict[str, torch.Tensor] = {}
+        scalars: dict = {}
+        for seg, master in zip(fg.layout.segments, fg.master_segments):
+            for key, value in self.inner.state.get(master, {}).items():
+                if torch.is_tensor(value) and value.numel() == master.numel() and value.dim() > 0:
+                    if key not in elementwise:
+                        elementwise[key] = torch.zeros(fg.layout.shard_numel, dtype=value.dtype)
+                    seg.of_shard(elementwise[key]).copy_(value.detach().reshape(-1))
+                elif key not in scalars:
+                    scalars[key] = value.item() if torch.is_tensor(value) else value
+        return elementwise, scalars
+
+    def load_shard_state(self, fg: FlatParamGroup, shards: dict[str, torch.Tensor],
+                         scalars: dict) -> None:
+        """The inverse of ``shard_state``, through the inner optimizer's own load_state_dict so
+        each class gets its own dtypes and devices (torch keeps ``step`` as a tensor, CPUAdam
+        as an int)."""
+        wants_int_step = isinstance(self.inner, CPUAdam)
+        current = self.inner.state_dict()
+        index_of = {}
+        for group in self.inner.param_groups:
+            for p in group["params"]:
+                index_of[id(p)] = len(index_of)
+        state = current["state"]
+        for seg, master in zip(fg.layout.segments, fg.master_segments):
+            entry = {}
+            for key, value in scalars.items():
+                if key == "step":
+                    entry[key] = int(value) if wants_int_step else torch.tensor(float(value))
+                else:
+                    entry[key] = value
+            for key, shard in shards.items():
+                entry[key] = seg.of_shard(shard).clone().to(master.device)
+            state[index_of[id(master)]] = entry
+        self.inner.load_state_dict({"state": state, "param_groups": current["param_groups"]})
 
     def state_nbytes(self) -> int:
         """Bytes of the inner optimizer's state tensors (in host memory when offloaded)."""

@@ -11,7 +11,7 @@ The rank's *master* chunks are what its optimizer updates. In fp32 they are the 
 itself (no copy); for a lower-precision compute dtype they are a separate fp32 shard, taken from
 the parameters before they were cast so the master keeps every bit of the initial values.
 
-Offload (see offload.py) only moves tensors: ``offload_master`` puts the fp32 master in host
+Offload (see optimizer_offload.py) only moves tensors: ``offload_master`` puts the fp32 master in host
 memory (then always a separate copy, even in fp32, so the CPU-only machine runs the same code
 path as a GPU one), ``offload_shard`` puts stage 3's partitioned shard there; ``pin`` makes
 those host tensors page-locked.
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from .flat import FlatBuffer, FlatLayout, shard_segment_views
-from .ops import flatten_into
+from ..ops import flatten_into
+from .layout import FlatBuffer, FlatLayout, shard_segment_views
 
 
 class FlatParamGroup:
@@ -69,8 +69,7 @@ class FlatParamGroup:
                 full = torch.empty(seg.numel, dtype=self.dtype, device=device)
                 for i in seg.params:
                     slot = self.layout.slots[i]
-                    begin = slot.offset - seg.start
-                    params[i].data = full[begin:begin + slot.numel].view(slot.shape)
+                    params[i].data = full[seg.local(slot)].view(slot.shape)
                 full.untyped_storage().resize_(0)
                 self.segment_full.append(full)
         else:
@@ -97,7 +96,7 @@ class FlatParamGroup:
             source = value_of(p).reshape(-1)
             for piece in by_param.get(index, ()):
                 for shard in shards:
-                    shard[piece.shard_offset:piece.shard_offset + piece.numel].copy_(
+                    piece.of_shard(shard).copy_(
                         source[piece.param_offset:piece.param_offset + piece.numel])
         return shards
 
@@ -108,8 +107,7 @@ class FlatParamGroup:
     def chunk(self, s: int) -> torch.Tensor:
         """This rank's chunk of segment s, in the compute dtype."""
         if self.partitioned:
-            seg = self.layout.segments[s]
-            return self.shard[seg.shard_offset:seg.shard_offset + seg.chunk_numel]
+            return self.layout.segments[s].of_shard(self.shard)
         return self.full.chunk_view(s, self.rank)
 
     def chunk_on_device(self, s: int) -> torch.Tensor:
@@ -117,17 +115,34 @@ class FlatParamGroup:
         chunk = self.chunk(s)
         return chunk.to(self.device, non_blocking=True)
 
-    def publish_master(self, segments=None) -> None:
+    def master_to_chunks(self, segments=None) -> None:
         """Copy updated master values into the compute-dtype chunks (mixed precision)."""
         if self.master is not None:
             for s in (range(len(self.master_segments)) if segments is None else segments):
                 self.chunk(s).copy_(self.master_segments[s])
 
+    def refresh_master(self, segments=None) -> None:
+        """The inverse: chunks changed from outside (a write-back) become the master's values."""
+        if self.master is not None:
+            for s in (range(len(self.master_segments)) if segments is None else segments):
+                self.master_segments[s].copy_(self.chunk(s))
+
+    def master_shard(self) -> torch.Tensor:
+        """The fp32 values of every element the rank owns, as one contiguous CPU tensor."""
+        if self.master is not None:
+            return self.master.detach().cpu()
+        return torch.cat([s.detach().float().cpu() for s in self.master_segments])
+
+    def load_master_shard(self, master: torch.Tensor) -> None:
+        """Set the master from a tensor laid out like ``master_shard()``."""
+        for seg, target in zip(self.layout.segments, self.master_segments):
+            target.copy_(seg.of_shard(master))
+
     def full_fp32(self, comm) -> torch.Tensor:
         """The whole flat buffer in fp32, gathered from every rank's master (collective)."""
         full = torch.empty(self.layout.numel, dtype=torch.float32, device=self.device)
         for s, seg in enumerate(self.layout.segments):
-            out = full[seg.start:seg.start + seg.numel]
+            out = seg.of_full(full)
             if self.sharded:
                 comm.all_gather(out, self.master_segments[s].float())
             else:

@@ -15,7 +15,7 @@ import sys
 def _consolidate(args) -> int:
     from safetensors.torch import save_file
 
-    from . import ckpt_format as fmt
+    from ..checkpoint import format as fmt
     if args.tag is None and os.path.exists(os.path.join(args.checkpoint_dir, fmt.META)):
         path = args.checkpoint_dir  # given the checkpoint itself rather than its save_dir
     else:
@@ -44,16 +44,19 @@ def _check_config(args) -> int:
     import dataclasses
     import json
 
-    from .config import parse_config, resolve_auto
+    from ..config import parse_config, resolve_auto
+    from .job_config import job_config
     cfg = parse_config(args.config)
     resolve_auto(cfg, args.world, "float32")
-    print(json.dumps(dataclasses.asdict(cfg), indent=2, sort_keys=True))
+    resolved = dataclasses.asdict(cfg)
+    resolved["job"] = dataclasses.asdict(job_config(cfg))
+    print(json.dumps(resolved, indent=2, sort_keys=True))
     print(f"{args.config}: valid (resolved for world size {args.world})", file=sys.stderr)
     return 0
 
 
 def _estimate(args) -> int:
-    from .config import parse_config
+    from ..config import parse_config
     from .estimate import gpt_num_params, model_state_bytes, states_per_param
     stage, precision, optimizer = args.stage, args.precision, args.optimizer
     offload_optimizer, offload_param = args.offload_optimizer, args.offload_param
@@ -70,7 +73,8 @@ def _estimate(args) -> int:
         if cfg.optimizer is not None:
             optimizer = cfg.optimizer.type
         if not params:
-            m = cfg.job.model
+            from .job_config import job_config
+            m = job_config(cfg).model
             params = gpt_num_params(256, m.context, m.layers, m.dim)
             source = (f"the built-in GPT of {args.config} ({m.layers} layers, dim {m.dim}): "
                       f"{params:,} parameters")
@@ -137,7 +141,7 @@ def _train(args) -> int:
         (["--resume"] if args.resume else []) + \
         (["--steps", str(args.steps)] if args.steps else []) + \
         (["--run-name", args.run_name] if args.run_name else [])
-    from .launch_env import pytorchjob_procs_per_pod, pytorchjob_torchrun_args
+    from ..dist.launch_env import pytorchjob_procs_per_pod, pytorchjob_torchrun_args
     launched = any(k in os.environ for k in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"))
     torchrun_args = None
     if pytorchjob_procs_per_pod(os.environ) is not None:
@@ -152,7 +156,7 @@ def _train(args) -> int:
         if args.nproc:
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
         cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args,
-               "-m", "zeroengine.train_job", *worker_args]
+               "-m", "zeroengine.tools.train_job", *worker_args]
         return subprocess.call(cmd, env=env)
     from .train_job import main as worker  # under a launcher already: just join
     return worker(worker_args)
@@ -198,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--offload-optimizer", action="store_true")
     e.add_argument("--offload-param", action="store_true")
     e.add_argument("--time", action="store_true", help="also predict the step time "
-                   "(zeroengine.scale_model: compute, ring collectives, overlap)")
+                   "(zeroengine.tools.scale_model: compute, ring collectives, overlap)")
     e.add_argument("--recommend", action="store_true", help="per world size, the least "
                    "sharded stage/offload whose memory fits --device-memory and whose step is "
                    "within 5%% of the fastest that fits, and its step time")
@@ -218,8 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from .ckpt_format import CheckpointError
-    from .config import ConfigError
+    from ..checkpoint.format import CheckpointError
+    from ..config import ConfigError
     try:
         return args.run(args)
     except (CheckpointError, ConfigError, ValueError) as err:

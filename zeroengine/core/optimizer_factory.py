@@ -7,8 +7,8 @@ import inspect
 
 import torch
 
-from .config import AUTO, ConfigError, OptimizerConfig
-from .ops import CPUAdam, FusedAdam, load_cuda_kernels
+from ..config import AUTO, ConfigError, OptimizerConfig
+from ..ops import CPUAdam, FusedAdam, load_cuda_kernels
 
 # Updates that look at whole tensors (norms, factored second moments, line searches, sparse rows).
 NON_ELEMENTWISE = {

@@ -27,24 +27,24 @@ class LossScaleFloorError(RuntimeError):
 
 @dataclass
 class LossScaler:
-    scale: float = 1.0
-    dynamic: bool = False
-    window: int = 1000
-    hysteresis: int = 2
-    min_scale: float = 1.0
-    consecutive_hysteresis: bool = False
-    hysteresis_left: int = 2
+    # the settings come from the config's fp16 section (its defaults live there only)
+    scale: float
+    dynamic: bool
+    window: int
+    hysteresis: int
+    min_scale: float
+    consecutive_hysteresis: bool
+    hysteresis_left: int
     clean_steps: int = 0  # clean steps since the last overflow or growth
     overflows: int = 0  # total overflowing steps seen
 
     @classmethod
     def from_config(cls, fp16) -> "LossScaler":
         """From the config's fp16 section (zeroengine.config.FP16Config)."""
-        if fp16.loss_scale > 0:
-            return cls(scale=float(fp16.loss_scale), dynamic=False)
-        return cls(scale=float(2 ** fp16.initial_scale_power), dynamic=True,
-                   window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
-                   min_scale=float(fp16.min_loss_scale),
+        static = fp16.loss_scale > 0
+        return cls(scale=float(fp16.loss_scale if static else 2 ** fp16.initial_scale_power),
+                   dynamic=not static, window=fp16.loss_scale_window,
+                   hysteresis=fp16.hysteresis, min_scale=float(fp16.min_loss_scale),
                    consecutive_hysteresis=fp16.consecutive_hysteresis,
                    hysteresis_left=fp16.hysteresis)
 
@@ -94,8 +94,8 @@ _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float1
 class Precision:
     """Which dtype the model computes in and which dtype gradients travel in."""
 
-    compute: torch.dtype = torch.float32
-    reduce: torch.dtype = torch.float32
+    compute: torch.dtype
+    reduce: torch.dtype
 
     @classmethod
     def from_config(cls, cfg) -> "Precision":

@@ -1,31 +1,48 @@
 """ZeroEngine: the user-facing verbs (forward, backward, step) and reports; thin by design.
 
-The work is done by the pieces it wires together at initialize():
-FlatParamGroup (partition.py) lays parameters out, GradReducer (buckets.py) reduces gradients
-during backward, ShardedOptimizer (optim.py) steps the shard and re-gathers parameters, Comm
-(comm.py) carries the bytes.
+The collaborators, wired once in ``__init__`` (each gets the others it calls at construction):
+FlatParamGroup (flat_param_group.py) lays parameters out in flat buffers; ParamFetcher
+(param_fetcher.py, stage 3) gathers and releases parameter segments around their use;
+GradReducer (grad_reducer.py) reduces gradients during backward; OptimizerOffload
+(optimizer_offload.py) holds the host side of an offloaded step; ShardedOptimizer
+(sharded_optimizer.py) steps the rank's shard; Comm (dist/comm.py) carries the bytes and
+dist/handles.py names what is in flight.
+
+One training step, in order (the file and function where each happens):
+  forward   ForwardGuard (drop_in.py) checks the parameters and broadcasts buffers; stage 3:
+            ParamFetcher._pre_forward gathers each module's segments (prefetching the next
+            ones along the recorded order) and _post_forward releases them.
+  backward  ZeroEngine.backward scales the loss; GradReducer._on_grad_ready takes each
+            parameter's gradient into its bucket; a complete bucket -> ParamFetcher.grads_taken
+            (stage 3 frees the segment) and, in launch order, GradReducer._start_reduce
+            (all-reduce or reduce-scatter, asynchronous); GradReducer._finish_reduce ->
+            OptimizerOffload.grad_reduced (the host copy starts); GradReducer._end_backward
+            waits for the rest -> ParamFetcher.end_of_pass.
+  step      ZeroEngine.step at the accumulation boundary -> ShardedOptimizer.step: reducer
+            .flush, the global norm (one all-reduce), loss scale / clipping, per sub-group the
+            inner step -> ShardedOptimizer.publish (master -> model chunk, through the offload's
+            copy) and the all-gather of updated chunks (stages 1-2) -> ParamFetcher
+            .refresh_gathered (stage 3, segments held across the step) -> reducer.zero_grad.
 """
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import torch
 import torch.nn as nn
 
-from .buckets import GradReducer
-from .comm import Comm
-from .config import Config
+from ..config import AUTO, Config
+from ..dist.comm import Comm
+from . import gathered
 from .drop_in import ForwardGuard, redirect_optimizer, register_parameters, unregister_parameters
-from .flat import bucket_params
-from .ops import flatten_into, unflatten_from
-from .offload import OptimizerOffload
-from .optim import ShardedOptimizer
-from .partition import FlatParamGroup
+from .grad_reducer import GradReducer, ReduceSettings
+from .optimizer_offload import OptimizerOffload
+from .param_fetcher import ParamFetcher, auto_window
+from .param_layout import lay_out_parameters, report_persistence
 from .precision import LossScaler, Precision
+from .sharded_optimizer import ShardedOptimizer, StepSettings
 from .sharding import Sharding
-from .stage3 import ParamFetcher, register_whole, unregister_whole
-from .zero_init import is_sharded, make_whole, materialize
+from .zero_init import is_sharded
 
 
 class ZeroEngine:
@@ -51,42 +68,42 @@ class ZeroEngine:
 
         self._broadcast_module_state()  # every rank starts from rank 0's values, as in DDP
         order = {id(p): i for i, p in enumerate(module.parameters())}
-        self.flat_groups = self._lay_out_parameters(optimizer, order, device)
+        self.flat_groups = lay_out_parameters(module, optimizer, order, self.sharding, comm,
+                                              zero, self.precision, device, self._pin)
         if self.precision.mixed:
             self._cast_rest_of_module(self.precision.compute)
-        self.fetcher = None
-        register_whole([fg for fg in self.flat_groups if not fg.partitioned], comm)
         partitioned = [fg for fg in self.flat_groups if fg.partitioned]
         if self.sharding.parameters:
-            self._report_persistence(partitioned)
-        if partitioned:
-            self.fetcher = ParamFetcher(module, partitioned, comm,
-                                        prefetch_numel=zero.stage3_prefetch_bucket_size,
-                                        max_live_numel=zero.stage3_max_live_parameters,
-                                        check_order=zero.stage3_check_gather_order,
-                                        leaf_modules=zero.stage3_leaf_modules)
-        self.reducer = GradReducer(
-            self.flat_groups, comm, self.stage, self.gradient_accumulation_steps,
-            overlap=zero.overlap_comm, reduce_scatter=zero.reduce_scatter, param_order=order,
-            reduce_dtype=self.precision.reduce if config.communication_data_type else None)
-        if self.fetcher is not None:
-            self.reducer.on_segment_done = self._segment_done
-            self.reducer.on_backward_end = self.fetcher.end_of_pass
-        scaler = LossScaler.from_config(config.fp16) if config.fp16.enabled else None
-        self.reducer.require_scaled_backward = scaler is not None
-        self.offload = OptimizerOffload(self.flat_groups, self.reducer, device, self._pin) \
+            report_persistence(self.flat_groups, zero.stage3_param_persistence_threshold, comm)
+        # The collaborators, built in dependency order and handed to each other here: the
+        # reducer tells the fetcher and the offload what backward finished; the optimizer
+        # steps, publishes through the offload and has the fetcher refresh what is gathered.
+        window = auto_window(partitioned)
+        self.fetcher = ParamFetcher(
+            module, partitioned, comm,
+            prefetch_numel=window if zero.stage3_prefetch_bucket_size == AUTO
+            else zero.stage3_prefetch_bucket_size,
+            max_reuse_numel=window if zero.stage3_max_reuse_distance == AUTO
+            else zero.stage3_max_reuse_distance,
+            max_live_numel=zero.stage3_max_live_parameters,
+            check_order=zero.stage3_check_gather_order,
+            leaf_modules=zero.stage3_leaf_modules) if partitioned else None
+        reduce_dtype = self.precision.reduce if config.communication_data_type else None
+        self.offload = OptimizerOffload(self.flat_groups, reduce_dtype, self._pin) \
             if self.offload_optimizer else None
-        self.optimizer = ShardedOptimizer(optimizer, self.flat_groups, self.reducer, comm,
-                                          clip=config.gradient_clipping,
-                                          allgather_bucket_numel=zero.allgather_bucket_size,
-                                          loss_scaler=scaler,
-                                          sub_group_numel=zero.sub_group_size,
-                                          offload=self.offload,
-                                          on_nonfinite=config.on_nonfinite,
-                                          param_names={id(p): n for n, p in
-                                                       module.named_parameters()})
-        if self.fetcher is not None:
-            self.optimizer.after_step = self.fetcher.refresh_gathered
+        scaler = LossScaler.from_config(config.fp16) if config.fp16.enabled else None
+        self.reducer = GradReducer(
+            self.flat_groups, comm, self.sharding, ReduceSettings(
+                self.gradient_accumulation_steps, zero.overlap_comm, zero.reduce_scatter,
+                reduce_dtype, loss_scaled=scaler is not None),
+            param_order=order, fetcher=self.fetcher, offload=self.offload)
+        self.optimizer = ShardedOptimizer(
+            optimizer, self.flat_groups, self.reducer, comm, sharding=self.sharding,
+            settings=StepSettings(config.gradient_clipping, zero.allgather_bucket_size,
+                                  zero.sub_group_size, config.on_nonfinite),
+            loss_scaler=scaler, offload=self.offload, fetcher=self.fetcher,
+            param_names={id(p): n for n, p in module.named_parameters()})
+        gathered.register(self.flat_groups, comm, self.fetcher)
         # the loop the user already has keeps working: their optimizer object and torch's
         # clip_grad_norm_ reach the sharded step (drop_in.py)
         redirect_optimizer(optimizer, self.optimizer)
@@ -100,79 +117,6 @@ class ZeroEngine:
         if lr_scheduler is not None and hasattr(lr_scheduler, "optimizer"):
             lr_scheduler.optimizer = self.optimizer
 
-    def _lay_out_parameters(self, optimizer, order: dict[int, int],
-                            device: torch.device) -> list[FlatParamGroup]:
-        """One FlatParamGroup per (optimizer group, dtype); at stage 3 split further into
-        parameters kept whole (below stage3_param_persistence_threshold elements) and
-        partitioned ones, whose segments follow the modules that hold them."""
-        zero = self.config.zero_optimization
-        shard_world = self.comm.world_size if self.sharding.optimizer_state else 1
-        owner: dict[int, int] = {}  # parameter -> index of the first module holding it
-        for mi, mod in enumerate(self.module.modules()):
-            for p in mod.parameters(recurse=False):
-                owner.setdefault(id(p), mi)
-        limit = zero.stage3_param_persistence_threshold
-        to_partition = {id(p) for group in optimizer.param_groups for p in group["params"]
-                        if self.sharding.parameters and p.requires_grad
-                        and p.numel() >= limit}
-        for p in self.module.parameters():  # zero_init: whatever stays whole is made whole
-            if is_sharded(p) and id(p) not in to_partition:
-                make_whole(p, self.comm)
-
-        def value_of(p):  # a collective for zero_init parameters, called in the same order
-            return materialize(p, self.comm) if is_sharded(p) else p.detach()
-
-        groups: list[FlatParamGroup] = []
-        for gi, group in enumerate(optimizer.param_groups):
-            trainable = [p for p in group["params"] if p.requires_grad]
-            # Reverse registration order: the first segments are the first finished in backward.
-            params = sorted(trainable, key=lambda p: -order[id(p)])
-            if self.precision.mixed:  # one flat buffer in the compute dtype
-                by_dtype = [(self.precision.compute, params)] if params else []
-            else:  # each dtype keeps its own buffer
-                by_dtype = bucket_params(params)
-            for dtype, same in by_dtype:
-                whole = same
-                if self.sharding.parameters:
-                    whole = [p for p in same if id(p) not in to_partition]
-                    split = sorted((p for p in same if id(p) in to_partition),
-                                   key=lambda p: (-owner[id(p)], -order[id(p)]))
-                    if split:
-                        groups.append(FlatParamGroup(
-                            split, gi, self.comm.rank, shard_world, zero.reduce_bucket_size,
-                            device, compute_dtype=dtype, partitioned=True,
-                            units=[owner[id(p)] for p in split], value_of=value_of,
-                            offload_master=self.offload_optimizer,
-                            offload_shard=self.offload_param, pin=self._pin))
-                        for p in split:
-                            if is_sharded(p):
-                                del p._ze_slice  # its values now live in the group's shard
-                if whole:
-                    groups.append(FlatParamGroup(whole, gi, self.comm.rank, shard_world,
-                                                 zero.reduce_bucket_size, device,
-                                                 compute_dtype=dtype,
-                                                 offload_master=self.offload_optimizer,
-                                                 pin=self._pin))
-        return groups
-
-    def _report_persistence(self, partitioned: list[FlatParamGroup]) -> None:
-        """Stage 3 keeps parameters under stage3_param_persistence_threshold whole on every
-        rank: say so when that is most of the model, which a small model hits by default."""
-        whole = sum(fg.layout.used_numel for fg in self.flat_groups if not fg.partitioned)
-        split = sum(fg.layout.used_numel for fg in partitioned)
-        if whole > split and self.comm.rank == 0:
-            limit = self.config.zero_optimization.stage3_param_persistence_threshold
-            warnings.warn(
-                f"stage 3 partitions {split:,} of the model's {whole + split:,} trainable "
-                f"elements: parameters under stage3_param_persistence_threshold={limit:,} "
-                f"elements ({whole:,} elements) stay whole on every rank, so this run holds "
-                "more parameter memory per rank than stage 3 promises. Lower the threshold "
-                "(e.g. 0) to partition them too", stacklevel=4)
-
-    def _segment_done(self, group: FlatParamGroup, segment: int) -> None:
-        if group.partitioned:
-            self.fetcher.on_segment_reduced(group, segment)
-
     def _managed_params(self) -> list[torch.nn.Parameter]:
         return [p for fg in self.flat_groups for p in fg.params]
 
@@ -181,42 +125,19 @@ class ZeroEngine:
         unregister_parameters(self._managed_params())
         self.guard.remove()
         self.reducer.remove_hooks()
-        unregister_whole(self.flat_groups)
+        gathered.unregister(self.flat_groups)
         if self.fetcher is not None:
             self.fetcher.remove_hooks()
 
     def _broadcast_module_state(self) -> None:
         """Rank 0's parameters and buffers to every rank."""
         # zero_init parameters already hold rank 0's values, sharded
-        self._broadcast_from_rank0([t.data for t in list(self.module.parameters())
-                                    + list(self.module.buffers()) if not is_sharded(t)])
+        self.comm.broadcast_many([t.data for t in list(self.module.parameters())
+                                  + list(self.module.buffers()) if not is_sharded(t)], src=0)
 
     def _broadcast_buffers(self, buffers: list[torch.Tensor]) -> None:
-        self._broadcast_from_rank0(buffers, what=lambda: f"module buffers ({len(buffers)}, "
+        self.comm.broadcast_many(buffers, src=0, what=lambda: f"module buffers ({len(buffers)}, "
                                    "broadcast from rank 0 before the forward: broadcast_buffers)")
-
-    def _broadcast_from_rank0(self, tensors: list[torch.Tensor], max_numel: int = 1 << 22,
-                              what="") -> None:
-        """Rank 0's values of ``tensors`` to every rank, a few large broadcasts per dtype."""
-        if self.comm.world_size == 1:
-            return
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
-        for same in by_dtype.values():
-            batch: list[torch.Tensor] = []
-            for t in same + [None]:
-                if t is None or (batch and sum(b.numel() for b in batch) + t.numel() > max_numel):
-                    offsets = [0]
-                    for b in batch:
-                        offsets.append(offsets[-1] + b.numel())
-                    flat = torch.empty(offsets[-1], dtype=batch[0].dtype, device=batch[0].device)
-                    flatten_into(batch, flat, offsets[:-1])
-                    self.comm.broadcast(flat, 0, what=what)
-                    unflatten_from(flat, batch, offsets[:-1])
-                    batch = []
-                if t is not None:
-                    batch.append(t)
 
     def _cast_rest_of_module(self, dtype: torch.dtype) -> None:
         """Frozen parameters and floating-point buffers follow the compute dtype, as they
@@ -254,11 +175,8 @@ class ZeroEngine:
         if factor != 1.0:
             # fp16: scaled in fp32, since loss x 2**16 overflows fp16 itself.
             loss = loss.float() * factor
-        self.reducer.scaled_backward_pending = True
-        try:
+        with self.reducer.scaled_backward():
             loss.backward()
-        finally:
-            self.reducer.scaled_backward_pending = False
         self._backward_done = True
 
     def step(self) -> None:
@@ -288,11 +206,8 @@ class ZeroEngine:
         backward outside it (or the step) reduces the sum. The numbers are the same either way;
         this only saves communication, at stages 0-1 (stages 2-3 keep no full gradient to
         accumulate into, so they reduce every backward regardless)."""
-        before, self.reducer.defer_reduction = self.reducer.defer_reduction, True
-        try:
+        with self.reducer.deferred():
             yield
-        finally:
-            self.reducer.defer_reduction = before
 
     def train(self, mode: bool = True) -> "ZeroEngine":
         self.module.train(mode)
@@ -350,14 +265,14 @@ class ZeroEngine:
         """Bytes this rank sent/received per collective kind since the last call."""
         return self.comm.report(reset)
 
-    # -- checkpoints (checkpoint.py) ------------------------------------------------------------
+    # -- checkpoints (sharded.py) ------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None,
                         client_state: dict | None = None, node_local: bool = False) -> str:
         """Collective: each rank writes its own shards of ``<save_dir>/<tag>`` (default tag
         ``global_step<N>``), atomically; ``latest`` then names it. Returns the path.
         ``node_local=True``: each rank's ``save_dir`` is its own (not shared); the checkpoint
         is the union of the ranks' directories, as Ray Train assembles it."""
-        from .checkpoint import save_checkpoint
+        from ..checkpoint.sharded import save_checkpoint
         return save_checkpoint(self, save_dir, tag, client_state, node_local)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, **options):
@@ -365,7 +280,7 @@ class ZeroEngine:
         size, stage or offload it was saved with. Returns (path, client_state). Options:
         load_optimizer_states, load_lr_scheduler_states, load_module_only, missing_ok (return
         (None, None) instead of raising when nothing was saved yet: the resume pattern)."""
-        from .checkpoint import load_checkpoint
+        from ..checkpoint.sharded import load_checkpoint
         return load_checkpoint(self, load_dir, tag, **options)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors") -> bool:
@@ -373,7 +288,7 @@ class ZeroEngine:
         fp32 when that is what it trains in) as one safetensors file. At stage 3 this needs
         ``stage3_gather_16bit_weights_on_model_save`` (as in DeepSpeed); without it nothing is
         written and False is returned."""
-        from .checkpoint import save_16bit_model
+        from ..checkpoint.sharded import save_16bit_model
         return save_16bit_model(self, save_dir, save_filename)
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:

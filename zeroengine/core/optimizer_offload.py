@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from .buckets import GradReducer
-from .flat import shard_segment_views
-from .partition import FlatParamGroup
+from ..dist.handles import Handle, copy_async
+from .flat_param_group import FlatParamGroup
+from .layout import shard_segment_views
 
 HOST = torch.device("cpu")
 
@@ -29,49 +29,14 @@ def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     return torch.empty(numel, dtype=dtype, device=HOST, pin_memory=pin)
 
 
-class CopyStream:
-    """Host<->device copies: on CUDA asynchronous on a side stream, returning an event;
-    elsewhere plain synchronous copies, returning None."""
-
-    def __init__(self, device: torch.device):
-        self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor):
-        if self.stream is None:
-            dst.copy_(src)
-            return None
-        # The source may have been written by work queued on the compute stream.
-        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-        with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        for t in (dst, src):
-            if t.is_cuda:  # the caching allocator must not reuse it before the copy ran
-                t.record_stream(self.stream)
-        return event
-
-
-def host_wait(event) -> None:
-    """Block the CPU until a copy is done (before the CPU reads what it wrote)."""
-    if event is not None:
-        event.synchronize()
-
-
-def device_wait(event) -> None:
-    """Order later device work after a copy, without blocking the CPU."""
-    if event is not None:
-        torch.cuda.current_stream().wait_event(event)
-
-
 class OptimizerOffload:
     """Host-side buffers and copies of an offloaded optimizer step, per flat group."""
 
-    def __init__(self, groups: list[FlatParamGroup], reducer: GradReducer,
-                 device: torch.device, pin: bool):
+    def __init__(self, groups: list[FlatParamGroup], reduce_dtype: torch.dtype | None,
+                 pin: bool):
+        """``reduce_dtype``: the dtype reduced gradients arrive in (None: each group's own)."""
         self.groups = groups
-        self.reducer = reducer
-        self.copier = CopyStream(device)
+        self.reduce_dtype = reduce_dtype
         self._index = {id(g): i for i, g in enumerate(groups)}
         self.grads: list[list[torch.Tensor] | None] = []
         self.low: list[list[torch.Tensor] | None] = []
@@ -83,27 +48,28 @@ class OptimizerOffload:
             on_host = g.shard_device.type == "cpu" if g.partitioned else g.device.type == "cpu"
             self.low.append(None if g.dtype == torch.float32 or on_host
                             else self._host_views(g, g.dtype, pin))
-        self._grad_copies: dict[tuple[int, int], object] = {}  # copied for this step
-        self._param_copies: list = []
-        reducer.on_grad_reduced = self._on_grad_reduced
+        self._grad_copies: dict[tuple[int, int], Handle] = {}  # copied for this step
+        self._param_copies: list[Handle] = []
 
     def _needs_grad_copy(self, g: FlatParamGroup) -> bool:
         """False where the reduced gradient already is fp32 in host memory: used in place."""
-        reduce_dtype = self.reducer.reduce_dtype or g.dtype
+        reduce_dtype = self.reduce_dtype or g.dtype
         return g.device.type != "cpu" or reduce_dtype != torch.float32
 
     @staticmethod
     def _host_views(g: FlatParamGroup, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]:
         return shard_segment_views(host_empty(g.layout.shard_numel, dtype, pin), g.layout)
 
-    def _on_grad_reduced(self, group: FlatParamGroup, segment: int, final: bool) -> None:
+    def grad_reduced(self, group: FlatParamGroup, segment: int, grad: torch.Tensor,
+                     final: bool) -> None:
+        """GradReducer: ``grad``, the rank's reduced gradient of a segment, landed; ``final``:
+        no backward changes it before the step, so its host copy can start now."""
         fi = self._index[id(group)]
         if self.grads[fi] is None:
             return
         key = (fi, segment)
-        if final:  # this bucket's gradient will not change before the step
-            self._grad_copies[key] = self.copier.copy(
-                self.grads[fi][segment], self.reducer.owned_chunk(group, segment))
+        if final:
+            self._grad_copies[key] = copy_async(self.grads[fi][segment], grad)
         else:
             self._grad_copies.pop(key, None)
 
@@ -115,7 +81,7 @@ class OptimizerOffload:
         host = self.grads[fi][s]
         key = (fi, s)
         if key in self._grad_copies:
-            host_wait(self._grad_copies[key])
+            self._grad_copies[key].host_wait()
         else:
             host.copy_(device_grad)
         return host
@@ -128,9 +94,9 @@ class OptimizerOffload:
             return None
         return g.chunk(s) if self.low[fi] is None else self.low[fi][s]
 
-    def publish(self, fi: int, s: int, written: bool):
+    def publish(self, fi: int, s: int, written: bool) -> Handle:
         """Send segment s's updated values to the chunk the model computes with. ``written``:
-        the optimizer already wrote them into copy_out_target. Returns the copy's event."""
+        the optimizer already wrote them into copy_out_target. Returns the copy's handle."""
         g = self.groups[fi]
         chunk, master = g.chunk(s), g.master_segments[s]
         if g.dtype == torch.float32:
@@ -140,18 +106,18 @@ class OptimizerOffload:
             if not written:
                 source.copy_(master)
         if source is chunk:
-            return None
-        event = self.copier.copy(chunk, source)
-        self._param_copies.append(event)
-        return event
+            return Handle()
+        handle = copy_async(chunk, source)
+        self._param_copies.append(handle)
+        return handle
 
     def finish_step(self) -> None:
         """After the step (or a skipped one): later device work waits for the parameter
         copies, and no gradient copy is left reading buffers the next backward writes."""
-        for event in self._grad_copies.values():
-            host_wait(event)
-        for event in self._param_copies:
-            device_wait(event)
+        for handle in self._grad_copies.values():
+            handle.host_wait()
+        for handle in self._param_copies:
+            handle.wait()
         self._grad_copies.clear()
         self._param_copies.clear()
 

@@ -30,6 +30,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..config import ZeroConfig, auto_stage3_window
+from ..core.sharding import Sharding
 from .estimate import model_state_bytes
 
 
@@ -55,9 +57,10 @@ class Job:
     offload_optimizer: bool = False
     offload_param: bool = False
     tokens_per_rank: int = 8 * 4096  # tokens each rank processes per optimizer step
-    reduce_bucket_size: int = 5_000_000
-    prefetch_bucket_size: int = 50_000_000
-    max_live_parameters: int = 1_000_000_000
+    # the config's defaults (config.py declares them); prefetch None: "auto"
+    reduce_bucket_size: int = ZeroConfig.reduce_bucket_size
+    prefetch_bucket_size: int | None = None
+    max_live_parameters: int = ZeroConfig.stage3_max_live_parameters
     largest_module: float = 0.0  # elements of the biggest layer (stage 3 gathers it whole)
     activation_bytes: float = 0.0
     buffers: int = 1  # flat buffers (padding)
@@ -92,28 +95,32 @@ def _ring(nbytes: float, world: int, calls: int, hw: Hardware, factor: float = 1
 
 def predict(job: Job, hw: Hardware = Hardware()) -> Prediction:
     P, N, stage = float(job.params), job.world_size, job.stage
+    sharding = Sharding.of_stage(stage)
     b = 4 if job.precision == "fp32" else 2
+    prefetch = job.prefetch_bucket_size if job.prefetch_bucket_size is not None \
+        else auto_stage3_window(P, job.largest_module)
     states = model_state_bytes(P, stage, N, job.precision, job.states, job.offload_optimizer,
                                job.offload_param)
     # -- buffers
     bucket = min(job.reduce_bucket_size, P)
-    buffers = 2 * bucket * b if stage == 2 else 0.0
-    if stage == 3:
-        live = min(job.prefetch_bucket_size + max(job.largest_module, bucket),
+    # stage 2's buckets in flight (two); stage 3 frees them as it goes, but gathers
+    buffers = 2 * bucket * b if sharding.gradients and not sharding.parameters else 0.0
+    if sharding.parameters:
+        live = min(prefetch + max(job.largest_module, bucket),
                    job.max_live_parameters, P)
         buffers += live * b + 2 * bucket * b / N  # gathered window + reduce-scatter outputs
     buffers += job.buffers * N * b  # padding, at most N elements per flat buffer
     # -- communication (bytes sent per rank, ring; number of calls for the latency term)
     grad_calls = max(1, math.ceil(P / bucket))
-    param_calls = max(1, math.ceil(P / job.prefetch_bucket_size))
-    if stage == 0:
+    param_calls = max(1, math.ceil(P / max(prefetch, 1)))
+    if not sharding.optimizer_state:
         comm_bytes = 2 * (N - 1) / N * b * P
         grad_s = _ring(b * P, N, grad_calls, hw, factor=2.0)
         tail_s = 0.0
         fwd_gather_s = bwd_gather_s = 0.0
     else:
         grad_s = _ring(b * P, N, grad_calls, hw)
-        if stage in (1, 2):
+        if not sharding.parameters:
             comm_bytes = 2 * (N - 1) / N * b * P
             tail_s = _ring(b * P, N, param_calls, hw)  # all-gather after the step
             fwd_gather_s = bwd_gather_s = 0.0
@@ -130,7 +137,7 @@ def predict(job: Job, hw: Hardware = Hardware()) -> Prediction:
     exposed = first_gather + max(0.0, fwd_gather_s - fwd) + \
         max(0.0, bwd_gather_s + grad_s - bwd) + last_bucket + tail_s
     # -- optimizer
-    owned = P / N if stage >= 1 else P
+    owned = P / N if sharding.optimizer_state else P
     if job.offload_optimizer:
         optimizer_s = owned / hw.host_adam_rate + (4 * owned + b * owned) / hw.host_bandwidth
     else:

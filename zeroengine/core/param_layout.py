@@ -1,0 +1,88 @@
+"""Laying a model's trainable parameters out in flat groups (FlatParamGroup), once, at
+initialize(): which flat buffer each parameter joins, in which order, and at stage 3 which ones
+are partitioned (and along which module boundaries) and which stay whole."""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn as nn
+
+from ..config import ZeroConfig
+from ..dist.comm import Comm
+from .flat_param_group import FlatParamGroup
+from .layout import bucket_params
+from .precision import Precision
+from .sharding import Sharding
+from .zero_init import is_sharded, make_whole, materialize
+
+
+def lay_out_parameters(module: nn.Module, optimizer: torch.optim.Optimizer,
+                       order: dict[int, int], sharding: Sharding, comm: Comm, zero: ZeroConfig,
+                       precision: Precision, device: torch.device,
+                       pin: bool) -> list[FlatParamGroup]:
+    """One FlatParamGroup per (optimizer group, dtype); at stage 3 split further into
+    parameters kept whole (below stage3_param_persistence_threshold elements) and
+    partitioned ones, whose segments follow the modules that hold them."""
+    shard_world = comm.world_size if sharding.optimizer_state else 1
+    offload_master = zero.offload_optimizer.device == "cpu"
+    owner: dict[int, int] = {}  # parameter -> index of the first module holding it
+    for mi, mod in enumerate(module.modules()):
+        for p in mod.parameters(recurse=False):
+            owner.setdefault(id(p), mi)
+    limit = zero.stage3_param_persistence_threshold
+    to_partition = {id(p) for group in optimizer.param_groups for p in group["params"]
+                    if sharding.parameters and p.requires_grad
+                    and p.numel() >= limit}
+    for p in module.parameters():  # zero_init: whatever stays whole is made whole
+        if is_sharded(p) and id(p) not in to_partition:
+            make_whole(p, comm)
+
+    def value_of(p):  # a collective for zero_init parameters, called in the same order
+        return materialize(p, comm) if is_sharded(p) else p.detach()
+
+    groups: list[FlatParamGroup] = []
+    for gi, group in enumerate(optimizer.param_groups):
+        trainable = [p for p in group["params"] if p.requires_grad]
+        # Reverse registration order: the first segments are the first finished in backward.
+        params = sorted(trainable, key=lambda p: -order[id(p)])
+        if precision.mixed:  # one flat buffer in the compute dtype
+            by_dtype = [(precision.compute, params)] if params else []
+        else:  # each dtype keeps its own buffer
+            by_dtype = bucket_params(params)
+        for dtype, same in by_dtype:
+            whole = same
+            if sharding.parameters:
+                whole = [p for p in same if id(p) not in to_partition]
+                split = sorted((p for p in same if id(p) in to_partition),
+                               key=lambda p: (-owner[id(p)], -order[id(p)]))
+                if split:
+                    groups.append(FlatParamGroup(
+                        split, gi, comm.rank, shard_world, zero.reduce_bucket_size,
+                        device, compute_dtype=dtype, partitioned=True,
+                        units=[owner[id(p)] for p in split], value_of=value_of,
+                        offload_master=offload_master,
+                        offload_shard=zero.offload_param.device == "cpu", pin=pin))
+                    for p in split:
+                        if is_sharded(p):
+                            del p._ze_slice  # its values now live in the group's shard
+            if whole:
+                groups.append(FlatParamGroup(whole, gi, comm.rank, shard_world,
+                                             zero.reduce_bucket_size, device,
+                                             compute_dtype=dtype,
+                                             offload_master=offload_master, pin=pin))
+    return groups
+
+
+def report_persistence(groups: list[FlatParamGroup], limit: int, comm: Comm) -> None:
+    """Stage 3 keeps parameters under stage3_param_persistence_threshold whole on every
+    rank: say so when that is most of the model, which a small model hits by default."""
+    whole = sum(fg.layout.used_numel for fg in groups if not fg.partitioned)
+    split = sum(fg.layout.used_numel for fg in groups if fg.partitioned)
+    if whole > split and comm.rank == 0:
+        warnings.warn(
+            f"stage 3 partitions {split:,} of the model's {whole + split:,} trainable "
+            f"elements: parameters under stage3_param_persistence_threshold={limit:,} "
+            f"elements ({whole:,} elements) stay whole on every rank, so this run holds "
+            "more parameter memory per rank than stage 3 promises. Lower the threshold "
+            "(e.g. 0) to partition them too", stacklevel=4)
