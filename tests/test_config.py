@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import glob
 import os
+import warnings
 
 import pytest
 import torch
@@ -10,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import zeroengine
-from zeroengine.config import ConfigError, parse_config, reference_markdown, resolve_auto
+from zeroengine.config import ConfigError, parse_config, resolve_auto
+from zeroengine.config_reference import reference_markdown
 from zeroengine.core.optimizer_factory import optimizer_from_config
 from zeroengine.core.schedulers import WarmupDecayLR, WarmupLR, scheduler_from_config
 
@@ -69,10 +71,9 @@ def test_integral_floats_accepted_for_sizes():
 
 
 def test_unsupported_deepspeed_keys_say_so():
-    refused({"flops_profiler": {"enabled": True}}, "'flops_profiler' is a DeepSpeed setting",
-            "does not support", "remove it")
     refused({"zero_optimization": {"zero_quantized_weights": True}},
-            "'zero_optimization.zero_quantized_weights' is a DeepSpeed setting")
+            "'zero_optimization.zero_quantized_weights' asks for quantized weights",
+            "does not implement", "remove it")
 
 
 def test_no_effect_keys_are_accepted():
@@ -104,7 +105,6 @@ def test_auto_resolved_from_what_the_engine_knows():
 
 
 def test_auto_refused_by_name_where_unknowable():
-    refused({"gradient_clipping": "auto"}, "gradient_clipping", "HF Trainer", "give a number")
     refused({"steps_per_print": "auto"}, "steps_per_print", "'auto' is not accepted")
 
 
@@ -244,3 +244,77 @@ def test_initialize_refusals():
     frozen = _model().requires_grad_(False)
     with pytest.raises(ValueError, match="no trainable parameters"):
         zeroengine.initialize(frozen, adam)
+
+
+# -- DeepSpeed's spellings and the policy for keys zeroengine does not implement ----------------
+@pytest.fixture
+def notices():
+    """Every ConfigNotice raised in the test (each key is otherwise reported once per process)."""
+    from zeroengine import config_policy
+    config_policy._noticed.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield lambda: [str(w.message) for w in caught
+                       if issubclass(w.category, config_policy.ConfigNotice)]
+
+
+def test_deepspeed_field_names_are_aliases(notices):
+    cfg = parse_config({"zero_optimization": {
+        "stage": 3, "max_live_parameters": 5, "max_reuse_distance": 7, "prefetch_bucket_size": 9,
+        "param_persistence_threshold": 3, "gather_16bit_weights_on_model_save": True}})
+    zero = cfg.zero_optimization
+    assert (zero.stage3_max_live_parameters, zero.stage3_max_reuse_distance,
+            zero.stage3_prefetch_bucket_size, zero.stage3_param_persistence_threshold,
+            zero.stage3_gather_16bit_weights_on_model_save) == (5, 7, 9, 3, True)
+    assert notices() == []
+    cfg = parse_config({"zero_optimization": {"stage3_gather_fp16_weights_on_model_save": True}})
+    assert cfg.zero_optimization.stage3_gather_16bit_weights_on_model_save is True
+    assert any("deprecated" in n for n in notices())
+    refused({"zero_optimization": {"max_live_parameters": 5, "stage3_max_live_parameters": 6}},
+            "given twice")
+
+
+def test_auto_gradient_clipping_is_the_trainers_default(notices):
+    cfg = resolve_auto(parse_config({"gradient_clipping": "auto"}), 2, "float32")
+    assert cfg.gradient_clipping == 1.0
+    assert any("1.0" in n for n in notices())
+
+
+@pytest.mark.parametrize("raw", [
+    {"prescale_gradients": False}, {"prescale_gradients": True},
+    {"gradient_predivide_factor": 1.0}, {"zero_force_ds_cpu_optimizer": False},
+    {"comms_logger": {"enabled": True}}, {"flops_profiler": {"enabled": False}},
+    {"tensorboard": {"enabled": True, "output_path": "x"}}, {"dataloader_drop_last": True},
+    {"zero_optimization": {"stage3_module_granularity_threshold": 0, "sub_group_size": 0}},
+    {"zero_optimization": {"stage3_model_persistence_threshold": 10}},
+])
+def test_knobs_without_effect_here_are_accepted_and_reported(notices, raw):
+    parse_config(raw)
+    if "sub_group_size" not in str(raw) or len(raw["zero_optimization"]) > 1:
+        assert any("no effect" in n for n in notices()), notices()
+
+
+@pytest.mark.parametrize("raw", [
+    {"comms_config": {"verbose": False}}, {"cuda_visible_devices": "0,1"}, {"monitor_config": {}},
+    {"some_project_specific_key": 3}])
+def test_unknown_top_level_keys_close_to_nothing_are_reported_and_ignored(notices, raw):
+    parse_config(raw)
+    assert len(notices()) == 1
+
+
+@pytest.mark.parametrize("raw,off", [
+    ({"zero_optimization": {"zero_quantized_weights": True}},
+     {"zero_optimization": {"zero_quantized_weights": False}}),
+    ({"zero_optimization": {"zero_hpz_partition_size": 8}},
+     {"zero_optimization": {"zero_hpz_partition_size": 1}}),
+    ({"tensor_parallel": {"autotp_size": 2}}, {"tensor_parallel": {"autotp_size": 1}}),
+    ({"amp": {"enabled": True}}, {"amp": {"enabled": False}}),
+    ({"zero_optimization": {"zenflow": {"topk_ratio": 0.1}}}, {"zero_optimization": {}}),
+    ({"sparse_gradients": True}, {"sparse_gradients": False}),
+    ({"fp32_allreduce": True}, {"fp32_allreduce": False}),
+])
+def test_unimplemented_features_are_refused_by_name_unless_off(notices, raw, off):
+    message = refused(raw, "'", "remove it from the config")
+    assert "zeroengine does not implement" in message or "instead" in message \
+        or "not supported" in message, message
+    parse_config(off)  # the feature's off value is no reason to refuse the config

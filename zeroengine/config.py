@@ -9,9 +9,11 @@ Three kinds of keys:
 - supported: declared below and acted upon;
 - accepted without effect: declared below with ``no_effect`` saying why (e.g. DeepSpeed's
   ``contiguous_gradients``, which is how zeroengine always works);
-- DeepSpeed keys zeroengine does not implement: listed in ``UNSUPPORTED`` with the reason;
-  they are refused by name rather than silently ignored.
-Anything else is an unknown key, refused with the closest valid names.
+- DeepSpeed's own spellings of a key (``aliases``; deprecated ones warn once);
+- DeepSpeed keys zeroengine does not implement: config_policy.py says which are refused by name
+  (they would change results) and which are accepted with no effect (logging, internals).
+An unknown key close to a known one is refused with the suggestion; an unknown top-level key
+close to nothing is reported once and ignored, as DeepSpeed ignores it.
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .config_policy import NO_EFFECT, REFUSED, notice
+
 AUTO = "auto"
 COMMENT_PREFIX = "_comment"  # JSON has no comments: keys starting with this are skipped
 
@@ -32,9 +36,11 @@ class ConfigError(ValueError):
 
 
 def option(default, doc: str, *, lo=None, hi=None, choices=None, auto: bool = False,
-           no_effect: str | None = None):
-    """Declare one config key: its default, documentation and allowed values."""
-    meta = dict(doc=doc, lo=lo, hi=hi, choices=choices, auto=auto, no_effect=no_effect)
+           no_effect: str | None = None, aliases: tuple = (), deprecated: tuple = ()):
+    """Declare one config key: its default, documentation and allowed values; ``aliases``:
+    DeepSpeed's other spellings of it, ``deprecated``: spellings accepted with a warning."""
+    meta = dict(doc=doc, lo=lo, hi=hi, choices=choices, auto=auto, no_effect=no_effect,
+                aliases=aliases, deprecated=deprecated)
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     if dataclasses.is_dataclass(default):
@@ -84,7 +90,8 @@ class ZeroConfig:
     elastic_checkpoint: bool = option(False, "DeepSpeed elastic checkpoints.",
                                       no_effect="every checkpoint reshards on load")
     sub_group_size: int = option(1_000_000_000, "Elements the optimizer steps at a time "
-                                 "(bounds temporary memory of the step).", lo=1)
+                                 "(bounds temporary memory of the step; 0: one segment at a "
+                                 "time).", lo=0)
     offload_optimizer: OffloadConfig = option(OffloadConfig(), "Keep fp32 master weights and "
                                               "optimizer state in host memory and step on the "
                                               "CPU (stages 1-3); torch Adam/AdamW run as "
@@ -98,10 +105,11 @@ class ZeroConfig:
         "model - an eighth of the partitioned elements, at least two of its largest segments "
         "(a few layers' worth) - so that stage 3 holds a window of the model, not all of it. "
         "(DeepSpeed's default, 50,000,000, gathers the whole of any smaller model.)", lo=0,
-        auto=True)
+        auto=True, aliases=("prefetch_bucket_size",))
     stage3_param_persistence_threshold: int = option(100_000, "Stage 3: parameters with fewer "
                                                      "elements stay whole on every rank.", lo=0,
-                                                     auto=True)
+                                                     auto=True,
+                                                     aliases=("param_persistence_threshold",))
     stage3_check_gather_order: bool = option(
         True, "Stage 3: beside each parameter all-gather the ranks exchange what they gather and "
         "why (4 integers, asynchronously, on a host-side gloo group), and compare before the "
@@ -116,7 +124,8 @@ class ZeroConfig:
         "fetched on their own. For MoE-style blocks whose experts run on some ranks only "
         "(DeepSpeed's set_z3_leaf_modules), so that every rank gathers the same parameters.")
     stage3_max_live_parameters: int = option(1_000_000_000, "Stage 3: most gathered elements "
-                                             "alive at once.", lo=0)
+                                             "alive at once.", lo=0,
+                                             aliases=("max_live_parameters",))
     stage3_max_reuse_distance: int = option(
         AUTO, "Stage 3: a segment released after its module's forward is kept instead if the "
         "backward uses it again within this many gathered elements (along the order recorded "
@@ -124,10 +133,12 @@ class ZeroConfig:
         "a forward stay gathered for the start of backward instead of being gathered again. "
         "\"auto\": the prefetch window. 0: release every segment after its use. (DeepSpeed's "
         "default, 1,000,000,000, keeps the whole of any smaller model gathered from forward to "
-        "backward.)", lo=0, auto=True)
+        "backward.)", lo=0, auto=True, aliases=("max_reuse_distance",))
     stage3_gather_16bit_weights_on_model_save: bool = option(
         False, "Stage 3: let engine.save_16bit_model() gather the sharded weights and write "
-        "them (without it, it writes nothing at stage 3, as in DeepSpeed).")
+        "them (without it, it writes nothing at stage 3, as in DeepSpeed).",
+        aliases=("gather_16bit_weights_on_model_save",),
+        deprecated=("stage3_gather_fp16_weights_on_model_save",))
 
 
 @dataclass
@@ -218,39 +229,6 @@ class Config:
                                                  "optimizer is supported")
 
 
-_WHY_NOT = {
-    "monitoring": "monitoring is not built in (the `zeroengine train` job writes metrics.jsonl)",
-    "feature": "this DeepSpeed feature is not implemented in zeroengine",
-}
-UNSUPPORTED: dict[str, str] = {
-    **{k: _WHY_NOT["monitoring"] for k in ("tensorboard", "wandb", "csv_monitor", "comet",
-                                            "comms_logger", "flops_profiler", "timers")},
-    **{k: _WHY_NOT["feature"] for k in (
-        "amp", "activation_checkpointing", "sparse_attention", "pipeline",
-        "compression_training", "data_efficiency", "curriculum_learning", "elasticity",
-        "autotuning", "aio", "quantize_training", "hybrid_engine", "compile", "nebula",
-        "weight_quantization", "sparse_gradients", "torch_autocast", "data_types",
-        "zero_optimization.zero_hpz_partition_size", "zero_optimization.zero_quantized_weights",
-        "zero_optimization.zero_quantized_gradients", "zero_optimization.mics_shard_size",
-        "zero_optimization.mics_hierarchical_params_gather", "zero_optimization.legacy_stage1",
-        "zero_optimization.use_multi_rank_bucket_allreduce",
-        "zero_optimization.stage3_module_granularity_threshold",
-        "zero_optimization.memory_efficient_linear", "zero_optimization.cpu_offload",
-        "zero_optimization.cpu_offload_params", "zero_optimization.cpu_offload_use_pin_memory",
-        "zero_optimization.pipeline_loading_checkpoint", "zero_optimization.override_module_apply",
-        "zero_optimization.zeropp_loco_param", "zero_optimization.log_trace_cache_warnings")},
-    "checkpoint": "checkpoint options are arguments of engine.save_checkpoint()",
-    "dataloader_drop_last": "zeroengine does not build data loaders",
-    "prescale_gradients": "gradients are always averaged in the reduction itself",
-    "gradient_predivide_factor": "gradients are always averaged in the reduction itself",
-    "fp32_allreduce": "say \"communication_data_type\": \"fp32\" instead",
-    "disable_allgather": "the all-gather after a sharded step cannot be disabled",
-    "dump_state": "use engine.memory_report() and engine.comm_report()",
-    "memory_breakdown": "use engine.memory_report()",
-    "zero_force_ds_cpu_optimizer": "the CPU optimizer is chosen by offload_optimizer",
-}
-
-
 # -- parsing ---------------------------------------------------------------------------------
 def _type_name(t) -> str:
     return {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
@@ -317,27 +295,57 @@ def parse_section(cls, raw, path: str):
         raise ConfigError(f"{path or 'config'}: expected an object, got {json.dumps(raw)}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    values = {}
+    spelling = {name: name for name in fields}  # any accepted spelling -> field name
+    for name, f in fields.items():
+        for alias in f.metadata.get("aliases", ()) + f.metadata.get("deprecated", ()):
+            spelling[alias] = name
+    values, given_as = {}, {}
     for key, value in raw.items():
         full = f"{path}.{key}" if path else key
         if key.startswith(COMMENT_PREFIX):
             continue
-        if key not in fields:
-            if full in UNSUPPORTED:
-                raise ConfigError(f"'{full}' is a DeepSpeed setting that zeroengine does not "
-                                  f"support ({UNSUPPORTED[full]}); remove it from the config")
-            close = difflib.get_close_matches(key, list(fields), n=3, cutoff=0.6)
-            hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else (
-                f"; valid keys here: {', '.join(sorted(fields))}")
-            raise ConfigError(f"unknown config key '{full}'{hint}")
-        t, optional = _unwrap_optional(hints[key])
+        if key not in spelling:
+            _not_a_field(full, key, value, list(spelling), top_level=not path)
+            continue
+        name = spelling[key]
+        if name in given_as:
+            raise ConfigError(f"'{full}' and '{path + '.' if path else ''}{given_as[name]}' "
+                              "are the same setting, given twice; keep one")
+        given_as[name] = key
+        if key in fields[name].metadata.get("deprecated", ()):
+            notice(full, f"deprecated by DeepSpeed; read as '{name}'")
+        t, optional = _unwrap_optional(hints[name])
         if value is None and optional:
-            values[key] = None
+            values[name] = None
         elif dataclasses.is_dataclass(t):
-            values[key] = parse_section(t, value, full)
+            values[name] = parse_section(t, value, f"{path}.{name}" if path else name)
         else:
-            values[key] = _coerce(value, t, full, fields[key].metadata)
+            values[name] = _coerce(value, t, full, fields[name].metadata)
     return cls(**values)
+
+
+def _not_a_field(full: str, key: str, value, known: list[str], top_level: bool) -> None:
+    """A key that is not in the schema: refused (a feature that would change results, or a
+    typo), or accepted and reported once (a DeepSpeed knob with no effect here, or an unknown
+    top-level key close to nothing, which DeepSpeed ignores too)."""
+    if full in REFUSED:
+        why, is_off = REFUSED[full]
+        if is_off(value):
+            return  # the feature's off value: nothing to implement
+        raise ConfigError(f"'{full}' asks for {why}; remove it from the config (or turn the "
+                          "feature off)")
+    if full in NO_EFFECT:
+        notice(full, f"accepted, no effect in zeroengine: {NO_EFFECT[full]}")
+        return
+    close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
+    if close:
+        raise ConfigError(f"unknown config key '{full}'; did you mean "
+                          f"{' or '.join(repr(c) for c in close)}?")
+    if top_level:
+        notice(full, "unknown to zeroengine and ignored (DeepSpeed ignores unknown top-level "
+               "keys too)")
+        return
+    raise ConfigError(f"unknown config key '{full}'; valid keys here: {', '.join(sorted(known))}")
 
 
 def load_json(path: str | os.PathLike) -> dict:
@@ -422,9 +430,9 @@ def resolve_auto(cfg: Config, world_size: int, param_dtype_name: str | None = No
     """Replace 'auto' values with what the engine knows; refuse the ones it cannot know."""
     resolve_batch(cfg, world_size)
     if cfg.gradient_clipping == AUTO:
-        raise ConfigError("gradient_clipping: 'auto' is filled in by the HF Trainer, which is not "
-                          "in use here; give a number (1.0 is the Trainer's default) or 0 to "
-                          "disable clipping")
+        cfg.gradient_clipping = 1.0
+        notice("gradient_clipping", "'auto' resolved to 1.0, the Hugging Face Trainer's default "
+               "max_grad_norm")
     if cfg.fp16.enabled == AUTO:
         cfg.fp16.enabled = param_dtype_name == "float16"
     if cfg.bf16.enabled == AUTO:
@@ -440,41 +448,3 @@ def resolve_auto(cfg: Config, world_size: int, param_dtype_name: str | None = No
 
 def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
-
-
-# -- generated reference ---------------------------------------------------------------------
-def reference_markdown() -> str:
-    lines = ["# Config reference", "", "Generated from `zeroengine/config.py` by `make docs`; "
-             "do not edit by hand.", ""]
-    lines += section_markdown(Config, "")
-    lines += [f"Keys starting with `{COMMENT_PREFIX}` are comments and are skipped at any level.",
-              ""]
-    lines += ["## DeepSpeed keys refused by name", "", "| key | why |", "|---|---|"]
-    lines += [f"| `{k}` | {v} |" for k, v in sorted(UNSUPPORTED.items())]
-    return "\n".join(lines) + "\n"
-
-
-def section_markdown(cls, path: str) -> list[str]:
-    """Markdown tables of a section's keys (and of its subsections), from their declarations."""
-    lines: list[str] = []
-    hints = typing.get_type_hints(cls)
-    rows, subs = [], []
-    for f in dataclasses.fields(cls):
-        t, _ = _unwrap_optional(hints[f.name])
-        key = f"{path}.{f.name}" if path else f.name
-        if dataclasses.is_dataclass(t):
-            subs.append((t, key, f.metadata["doc"]))
-            continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        doc = f.metadata["doc"]
-        if f.metadata["no_effect"]:
-            doc += f" *Accepted, no effect: {f.metadata['no_effect']}.*"
-        allowed = _range_text(f.metadata, t) + (", 'auto'" if f.metadata["auto"] else "")
-        rows.append(f"| `{key}` | `{json.dumps(default)}` | {allowed} | {doc} |")
-    if rows:
-        lines.extend([f"## `{path or 'top level'}`", "",
-                      "| key | default | allowed | meaning |", "|---|---|---|---|", *rows, ""])
-    for t, key, doc in subs:
-        lines.append(f"<!-- {key}: {doc} -->")
-        lines += section_markdown(t, key)
-    return lines

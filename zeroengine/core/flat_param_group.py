@@ -11,7 +11,8 @@ The rank's *master* chunks are what its optimizer updates. In fp32 they are the 
 itself (no copy); for a lower-precision compute dtype they are a separate fp32 shard, taken from
 the parameters before they were cast so the master keeps every bit of the initial values.
 
-Offload (see optimizer_offload.py) only moves tensors: ``offload_master`` puts the fp32 master in host
+Offload (see optimizer_offload.py) only moves tensors: ``offload_master`` puts the fp32 master
+in host
 memory (then always a separate copy, even in fp32, so the CPU-only machine runs the same code
 path as a GPU one), ``offload_shard`` puts stage 3's partitioned shard there; ``pin`` makes
 those host tensors page-locked.

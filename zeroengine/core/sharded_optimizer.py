@@ -8,7 +8,8 @@ over chunks of flat buffers equals the step over the original tensors.
 
 A step: make gradients final (``GradReducer.flush``), compute the global norm over all shards,
 clip, copy hyperparameters outer -> inner, step the chunks, then all-gather the updated chunks
-so every rank holds the full parameters again (stages 1-2). With offload (optimizer_offload.py) the chunks
+so every rank holds the full parameters again (stages 1-2). With offload (optimizer_offload.py)
+the chunks
 are host copies, the inner optimizer runs on the CPU, and updated values are copied back.
 """
 from __future__ import annotations

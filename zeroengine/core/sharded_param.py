@@ -1,7 +1,8 @@
 """The class a stage-3 partitioned parameter wears while the engine manages it.
 
 Stage 3 keeps each partitioned parameter as a view into its segment's full tensor and empties
-that tensor's storage while the segment is not gathered (flat_param_group.py, param_fetcher.py). A plain
+that tensor's storage while the segment is not gathered (flat_param_group.py,
+param_fetcher.py). A plain
 tensor read in that state reads freed memory: torch does not check it, and the process dies
 with SIGSEGV (``w.sum()``, ``copy.deepcopy(model)``, ``model.to(...)``, ``state_dict()`` that
 then fails to load). So the parameter's class becomes ``ShardedParameter`` (a subclass of its

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import Config, ConfigError, option, parse_section, section_markdown
+from ..config import Config, ConfigError, option, parse_section
+from ..config_reference import section_markdown
 
 
 @dataclass
