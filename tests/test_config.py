@@ -166,9 +166,28 @@ def test_deepspeed_adam_means_decoupled_decay_unless_told():
     assert type(_opt({"type": "RMSprop", "params": {"lr": 0.1}})) is torch.optim.RMSprop
 
 
-def test_optimizer_auto_params_take_class_defaults():
-    opt = _opt({"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": 1e-6}})
-    assert opt.defaults["lr"] == 1e-3 and opt.defaults["betas"] == (0.9, 0.999)
+def test_deepspeed_adam_defaults_and_switches():
+    """DeepSpeed's Adam/AdamW default weight_decay is 0.0 (torch's AdamW: 0.01);
+    torch_adam and bias_correction (true) are DeepSpeed switches, accepted."""
+    for kind in ("Adam", "AdamW"):
+        opt = _opt({"type": kind, "params": {"lr": 1e-3, "torch_adam": True,
+                                             "bias_correction": True}})
+        assert type(opt) is torch.optim.AdamW and opt.defaults["weight_decay"] == 0.0
+    assert _opt({"type": "AdamW", "params": {"weight_decay": 0.1}}).defaults["weight_decay"] \
+        == 0.1
+    assert _opt({"type": "SGD", "params": {"lr": 0.1}}).defaults["weight_decay"] == 0
+    with pytest.raises(ConfigError, match="bias_correction: false"):
+        _opt({"type": "Adam", "params": {"bias_correction": False}})
+
+
+def test_optimizer_auto_params_take_the_trainers_defaults(notices):
+    opt = _opt({"type": "AdamW", "params": {"lr": 2e-4, "betas": "auto", "eps": "auto",
+                                            "weight_decay": "auto"}})
+    assert (opt.defaults["betas"], opt.defaults["eps"], opt.defaults["weight_decay"]) == \
+        ((0.9, 0.999), 1e-8, 0.0)
+    assert sum("'auto' resolved" in n for n in notices()) == 3
+    with pytest.raises(ConfigError, match="optimizer.params.lr is 'auto'.*give a number"):
+        _opt({"type": "AdamW", "params": {"lr": "auto"}})
 
 
 @pytest.mark.parametrize("section,fragment", [

@@ -75,7 +75,7 @@ def train(cases, prefetch=300):
     out = []
     for stage, use_checkpoint, precision, backward_inside in cases:
         model = make(use_checkpoint)
-        config = {"optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+        config = {"optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}},
                   "zero_optimization": {"stage": stage, "reduce_bucket_size": 64,
                                         "stage3_param_persistence_threshold": 0,
                                         "stage3_prefetch_bucket_size": prefetch}}

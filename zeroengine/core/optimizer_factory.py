@@ -28,6 +28,13 @@ NOT_IN_TORCH = {
     "muadamw": "MuP optimizers are not built in; pass the optimizer object instead",
     "musgd": "MuP optimizers are not built in; pass the optimizer object instead",
 }
+# DeepSpeed's config Adam/AdamW (its FusedAdam / DeepSpeedCPUAdam) default weight_decay is 0.0;
+# torch's AdamW has 0.01: a DeepSpeed config that says nothing means 0.0.
+DEEPSPEED_ADAM_DEFAULTS = {"weight_decay": 0.0}
+# What "auto" becomes outside the Hugging Face Trainer: TrainingArguments' defaults (adam_beta1,
+# adam_beta2, adam_epsilon, weight_decay), which the Trainer would have filled in. The learning
+# rate has no such default worth guessing: "auto" there is refused.
+HF_AUTO_DEFAULTS = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
 # Keys that choose an implementation, not a hyperparameter: not copied between groups.
 IMPLEMENTATION_KEYS = ("params", "foreach", "fused", "capturable")
 
@@ -60,11 +67,10 @@ def optimizer_from_config(cfg: OptimizerConfig, params) -> torch.optim.Optimizer
     """The optimizer the config describes, over ``params`` (tensors or param-group dicts)."""
     kwargs = dict(cfg.params)
     name = cfg.type
-    kwargs.pop("torch_adam", None)  # DeepSpeed's switch between its kernel and torch's
-    adam_w_mode = kwargs.pop("adam_w_mode", True)
-    if name.lower() == "adam":
+    if name.lower() in ("adam", "adamw"):
+        kwargs = _deepspeed_adam(kwargs)
         # DeepSpeed's "Adam" decouples weight decay unless told otherwise (adam_w_mode=True).
-        name = "AdamW" if adam_w_mode else "Adam"
+        name = "AdamW" if kwargs.pop("adam_w_mode") else "Adam"
     cls = _torch_optimizer_class(name)
     check_elementwise(cls)
     signature = inspect.signature(cls.__init__)
@@ -74,17 +80,44 @@ def optimizer_from_config(cfg: OptimizerConfig, params) -> torch.optim.Optimizer
             raise ConfigError(f"optimizer.params.{key} is not an argument of {cls.__name__}; "
                               f"accepted: {', '.join(accepted)}")
         if value == AUTO:
-            default = signature.parameters[key].default
-            if default is inspect.Parameter.empty:
-                raise ConfigError(f"optimizer.params.{key}: 'auto' cannot be resolved, "
-                                  f"{cls.__name__} has no default for it; give a value")
-            kwargs[key] = default
+            kwargs[key] = _resolve_auto_param(cls, key, signature.parameters[key].default)
     if isinstance(kwargs.get("betas"), list):
         kwargs["betas"] = tuple(kwargs["betas"])
     try:
         return cls(params, **kwargs)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"optimizer {cls.__name__} refused its params: {err}") from None
+
+
+def _deepspeed_adam(kwargs: dict) -> dict:
+    """A DeepSpeed Adam/AdamW section's params with DeepSpeed's meaning, for torch's class."""
+    kwargs = {**DEEPSPEED_ADAM_DEFAULTS, **kwargs}
+    kwargs.pop("torch_adam", None)  # DeepSpeed's switch between its kernel and torch's
+    kwargs.setdefault("adam_w_mode", True)
+    if kwargs.pop("bias_correction", True) is False:
+        raise ConfigError("optimizer.params.bias_correction: false (Adam without bias "
+                          "correction) is not implemented by zeroengine's Adam; remove it, or "
+                          "pass an optimizer object that does it to initialize()")
+    return kwargs
+
+
+def _resolve_auto_param(cls: type, key: str, default):
+    """An optimizer hyperparameter given as "auto" outside the Hugging Face Trainer."""
+    from ..config_policy import notice
+    if key == "lr":
+        raise ConfigError("optimizer.params.lr is 'auto', which only the Hugging Face Trainer "
+                          "fills in (from TrainingArguments.learning_rate); give a number, or "
+                          "pass an optimizer object to initialize()")
+    if key in HF_AUTO_DEFAULTS:
+        value = HF_AUTO_DEFAULTS[key]
+        source = "the Hugging Face TrainingArguments default"
+    elif default is not inspect.Parameter.empty:
+        value, source = default, f"{cls.__name__}'s default"
+    else:
+        raise ConfigError(f"optimizer.params.{key}: 'auto' cannot be resolved, {cls.__name__} "
+                          "has no default for it; give a value")
+    notice(f"optimizer.params.{key}", f"'auto' resolved to {value!r} ({source})")
+    return value
 
 
 def build_inner(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
