@@ -162,3 +162,18 @@ def test_estimate_recommend_prints_a_row_per_world_size(capsys):
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith(("| 64 ", "| 1024 "))]
     assert len(rows) == 4 and all("| 3 |" in row for row in rows[2:]), out
+
+
+@pytest.mark.parametrize("text,message", [
+    ('{"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "bias_correction": false}}}',
+     "bias_correction: false"),
+    ('{"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}}', "not supported"),
+    ('{"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "scheduler": {"type": '
+     '"WarmupDecayLR", "params": {"total_num_steps": "auto"}}}', "total_num_steps: 'auto'"),
+])
+def test_check_config_valid_means_initialize_accepts_it(tmp_path, capsys, text, message):
+    """What initialize() would refuse without seeing the model, check-config refuses too."""
+    path = tmp_path / "ds.json"
+    path.write_text(text)
+    assert main(["check-config", str(path)]) == 2
+    assert message in capsys.readouterr().err

@@ -44,10 +44,22 @@ def _check_config(args) -> int:
     import dataclasses
     import json
 
+    import torch
+
     from ..config import parse_config, resolve_auto
+    from ..core.optimizer_factory import optimizer_from_config
+    from ..core.schedulers import scheduler_from_config
     from .job_config import job_config
     cfg = parse_config(args.config)
     resolve_auto(cfg, args.world, "float32")
+    # "valid" means initialize() accepts it: build what it would build from the config alone
+    # (the optimizer and scheduler sections, over a stand-in parameter)
+    if cfg.optimizer is not None:
+        optimizer = optimizer_from_config(cfg.optimizer, [torch.nn.Parameter(torch.zeros(1))])
+        scheduler_from_config(cfg.scheduler, optimizer)
+    elif cfg.scheduler is not None:
+        print(f"{args.config}: the scheduler section is checked when initialize() is given "
+              "the optimizer (the config has none)", file=sys.stderr)
     resolved = dataclasses.asdict(cfg)
     resolved["job"] = dataclasses.asdict(job_config(cfg))
     print(json.dumps(resolved, indent=2, sort_keys=True))
