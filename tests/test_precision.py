@@ -210,3 +210,34 @@ def test_mixed_precision_memory_follows_zero_paper(precision):
             for key, per_param in zip(("params", "grads", "optimizer_states"), formulas[stage]):
                 low, high = per_param * params, per_param * padded + 8 * segments
                 assert low <= report[key] <= high, (stage, key, report[key], low, high)
+
+
+def test_fp16_auto_cast_casts_the_inputs_as_deepspeed_does(monkeypatch):
+    """fp16.auto_cast: engine(x) with fp32 inputs runs the fp16 model (DeepSpeed casts them);
+    without it the same call fails on the dtype mismatch, as in DeepSpeed."""
+    import zeroengine
+    for key in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    for auto_cast in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 3))
+        engine = zeroengine.initialize(model, {
+            "fp16": {"enabled": True, "auto_cast": auto_cast}, "optimizer": {
+                "type": "SGD", "params": {"lr": 0.1}}})
+        x = {"inputs": [torch.randn(2, 4)], "steps": torch.arange(2)}
+        from zeroengine.core.engine import _cast_floating
+        cast = _cast_floating(((x,), {"y": (torch.ones(1),)}), torch.float16)
+        assert cast[0][0]["inputs"][0].dtype == torch.float16 and \
+            cast[0][0]["steps"].dtype == torch.int64 and cast[1]["y"][0].dtype == torch.float16
+        try:
+            if auto_cast:
+                out = engine(x["inputs"][0])
+                assert out.dtype == torch.float16
+                engine.backward(out.float().square().mean())
+                engine.step()
+                assert engine._cast_inputs is torch.float16
+            else:
+                with pytest.raises(RuntimeError):
+                    engine(x["inputs"][0])
+        finally:
+            engine.close()

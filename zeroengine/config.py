@@ -153,8 +153,9 @@ class FP16Config:
     consecutive_hysteresis: bool = option(False, "Refill hysteresis after each clean step.")
     min_loss_scale: float = option(1.0, "The scale never drops below this; overflowing at the "
                                    "floor is an error.", lo=0.0)
-    auto_cast: bool = option(False, "DeepSpeed's autocast of inputs.",
-                             no_effect="inputs are passed to the model unchanged")
+    auto_cast: bool = option(False, "As in DeepSpeed: engine(...) casts the floating-point "
+                             "tensors among its inputs (in lists, tuples and dicts too) to "
+                             "float16 before the model sees them.")
 
 
 @dataclass

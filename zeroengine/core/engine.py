@@ -58,6 +58,8 @@ class ZeroEngine:
         self.global_steps = 0
         self.micro_steps = 0
         self._backward_done = False  # engine.backward() ran for the current micro-step
+        self._cast_inputs = torch.float16 if config.fp16.enabled and config.fp16.auto_cast \
+            else None
         zero = config.zero_optimization
         self.precision = Precision.from_config(config)
         self.offload_optimizer = zero.offload_optimizer.device == "cpu"
@@ -154,6 +156,8 @@ class ZeroEngine:
 
     # -- training verbs ------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
+        if self._cast_inputs is not None:  # fp16.auto_cast, as DeepSpeed's engine.forward
+            args, kwargs = _cast_floating((args, kwargs), self._cast_inputs)
         return self.module(*args, **kwargs)
 
     forward = __call__
@@ -307,3 +311,15 @@ class ZeroEngine:
                 value = value.float() if value.is_floating_point() else value
             out[name] = value.clone().cpu()
         return out
+
+
+def _cast_floating(value, dtype: torch.dtype):
+    """``value`` with every floating-point tensor in it (through lists, tuples and dicts) cast
+    to ``dtype``."""
+    if torch.is_tensor(value):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast_floating(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast_floating(v, dtype) for k, v in value.items()}
+    return value
