@@ -241,3 +241,24 @@ def test_fp16_auto_cast_casts_the_inputs_as_deepspeed_does(monkeypatch):
                     engine(x["inputs"][0])
         finally:
             engine.close()
+
+
+def test_steps_per_print_logs_progress_on_rank_0(monkeypatch, caplog):
+    """As DeepSpeed's engine: every steps_per_print optimizer steps, step / skipped / lr /
+    loss scale at INFO on the 'zeroengine' logger."""
+    import logging
+
+    import zeroengine
+    for key in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    model = nn.Sequential(nn.Linear(4, 3))
+    engine = zeroengine.initialize(model, {"steps_per_print": 2, "optimizer": {
+        "type": "SGD", "params": {"lr": 0.25}}})
+    with caplog.at_level(logging.INFO, logger="zeroengine"):
+        for _ in range(5):
+            engine.backward(engine(torch.randn(2, 4)).square().mean())
+            engine.step()
+    engine.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "zeroengine"]
+    assert lines == ["step=2, skipped=0, lr=[0.25], loss_scale=1",
+                     "step=4, skipped=0, lr=[0.25], loss_scale=1"], lines

@@ -191,7 +191,10 @@ class Config:
                                                         "(default 1).", lo=1, auto=True)
     gradient_clipping: float = option(0.0, "Clip the global gradient norm to this; 0 disables.",
                                       lo=0.0, auto=True)
-    steps_per_print: int = option(10, "Log every this many optimizer steps.", lo=1)
+    steps_per_print: int = option(10, "Every this many optimizer steps rank 0 logs the step, "
+                                  "skipped steps, learning rates and loss scale (logger "
+                                  "'zeroengine', INFO; on stderr when logging is not set up), "
+                                  "as DeepSpeed does.", lo=1)
     collective_timeout_s: float = option(
         1800.0, "Seconds a collective may wait for the other ranks before this rank fails with "
         "an error naming the operation, the bucket or parameters and the step (a rank that "

@@ -27,6 +27,7 @@ One training step, in order (the file and function where each happens):
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 import torch.nn as nn
@@ -43,6 +44,8 @@ from .precision import LossScaler, Precision
 from .sharded_optimizer import ShardedOptimizer, StepSettings
 from .sharding import Sharding
 from .zero_init import is_sharded
+
+logger = logging.getLogger("zeroengine")
 
 
 class ZeroEngine:
@@ -203,6 +206,9 @@ class ZeroEngine:
         # A step skipped for overflow does not advance the schedule (as in DeepSpeed).
         if self.lr_scheduler is not None and self.optimizer.skipped_steps == skipped_before:
             self.lr_scheduler.step()
+        every = self.config.steps_per_print
+        if every and self.global_steps % every == 0 and self.comm.rank == 0:
+            _log_progress(self)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -311,6 +317,20 @@ class ZeroEngine:
                 value = value.float() if value.is_floating_point() else value
             out[name] = value.clone().cpu()
         return out
+
+
+def _log_progress(engine: ZeroEngine) -> None:
+    """Rank 0, every steps_per_print optimizer steps, as DeepSpeed's engine logs them."""
+    if not logger.handlers and not logging.getLogger().handlers:
+        # nothing configured to show INFO: say it on stderr, as DeepSpeed's own logger does
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[zeroengine] %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+    lrs = [group["lr"] for group in engine.optimizer.param_groups]
+    logger.info("step=%d, skipped=%d, lr=%s, loss_scale=%g", engine.global_steps,
+                engine.skipped_steps, [float(f"{float(lr):.6g}") for lr in lrs],
+                engine.loss_scale)
 
 
 def _cast_floating(value, dtype: torch.dtype):
