@@ -72,7 +72,7 @@ def test_integral_floats_accepted_for_sizes():
 
 def test_unsupported_deepspeed_keys_say_so():
     refused({"zero_optimization": {"zero_quantized_weights": True}},
-            "'zero_optimization.zero_quantized_weights' asks for quantized weights",
+            "'zero_optimization.zero_quantized_weights': quantized weights",
             "does not implement", "remove it")
 
 
@@ -331,9 +331,49 @@ def test_unknown_top_level_keys_close_to_nothing_are_reported_and_ignored(notice
     ({"zero_optimization": {"zenflow": {"topk_ratio": 0.1}}}, {"zero_optimization": {}}),
     ({"sparse_gradients": True}, {"sparse_gradients": False}),
     ({"fp32_allreduce": True}, {"fp32_allreduce": False}),
+    ({"fp16": {"fp16_master_weights_and_grads": True}},
+     {"fp16": {"fp16_master_weights_and_grads": False}}),
 ])
 def test_unimplemented_features_are_refused_by_name_unless_off(notices, raw, off):
     message = refused(raw, "'", "remove it from the config")
     assert "zeroengine does not implement" in message or "instead" in message \
         or "not supported" in message, message
     parse_config(off)  # the feature's off value is no reason to refuse the config
+
+
+def test_deprecated_cpu_offload_reads_as_deepspeed_reads_it(notices):
+    raw = {"zero_optimization": {"stage": 2, "cpu_offload": True,
+                                 "cpu_offload_use_pin_memory": True}}
+    cfg = parse_config(raw)
+    assert cfg.zero_optimization.offload_optimizer.device == "cpu"
+    assert cfg.zero_optimization.offload_optimizer.pin_memory is True
+    assert "cpu_offload" in raw["zero_optimization"]  # the caller's dict is left alone
+    assert any("deprecated" in n for n in notices())
+    cfg = parse_config({"zero_optimization": {"stage": 3, "cpu_offload": False,
+                                              "cpu_offload_param": True}})
+    assert (cfg.zero_optimization.offload_optimizer.device,
+            cfg.zero_optimization.offload_param.device) == ("none", "cpu")
+
+
+def test_reduce_bucket_size_zero_is_one_parameter_per_bucket():
+    assert parse_config({"zero_optimization": {"reduce_bucket_size": 0}}
+                        ).zero_optimization.reduce_bucket_size == 0
+
+
+def test_auto_sections_defer_to_what_initialize_is_given(notices):
+    """An HF-style optimizer/scheduler section of "auto" values takes the objects passed to
+    initialize(); without them, "auto" lr / warmup_num_steps are refused saying what to pass."""
+    m = _model()
+    auto = {"optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}}
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    engine = zeroengine.initialize(m, auto, optimizer=opt, lr_scheduler=sched)
+    assert engine.optimizer.base_class is torch.optim.SGD and engine.lr_scheduler is sched
+    engine.close()
+    assert sum("resolved from the" in n for n in notices()) == 2
+    with pytest.raises(ConfigError, match="lr is 'auto'.*pass an optimizer object"):
+        zeroengine.initialize(_model(), auto)
+    m = _model()
+    with pytest.raises(ConfigError, match="warmup_num_steps: 'auto'.*pass lr_scheduler="):
+        zeroengine.initialize(m, auto, optimizer=torch.optim.SGD(m.parameters(), lr=0.1))

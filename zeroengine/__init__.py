@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from ._version import __version__
 from .config import Config, ConfigError, parse_config, resolve_auto, to_dict
+from .config_policy import notice
 from .core.drop_in import install as _install_drop_in
 from .core.engine import ZeroEngine
 from .core.gathered import gathered_parameters
@@ -30,6 +31,11 @@ __all__ = ["initialize", "init_distributed", "gathered_parameters", "zero_init",
            "ConfigError", "Config", "parse_config", "RankMismatchError", "__version__"]
 
 
+def _all_auto(params: dict) -> bool:
+    """An optimizer/scheduler section that leaves every value to whoever runs it (HF style)."""
+    return bool(params) and all(value == "auto" for value in params.values())
+
+
 def _device(local_rank: int) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count())
@@ -38,8 +44,12 @@ def _device(local_rank: int) -> torch.device:
 
 def _prepare_optimizer(model: nn.Module, cfg: Config, optimizer) -> torch.optim.Optimizer:
     if optimizer is not None and cfg.optimizer is not None:
-        raise ConfigError("an optimizer was passed to initialize() and the config has an "
-                          "'optimizer' section too; keep one of them")
+        if not _all_auto(cfg.optimizer.params):
+            raise ConfigError("an optimizer was passed to initialize() and the config has an "
+                              "'optimizer' section too; keep one of them (a section whose "
+                              "params are all \"auto\" defers to the one passed)")
+        notice("optimizer", "the section's \"auto\" params are resolved from the optimizer "
+               f"passed to initialize() ({type(optimizer).__name__})")
     if optimizer is None:
         if cfg.optimizer is None:
             raise ConfigError("no optimizer: pass one to initialize(model, config, optimizer=...) "
@@ -103,6 +113,10 @@ def initialize(model: nn.Module, config, optimizer: torch.optim.Optimizer | None
     if lr_scheduler is None:
         lr_scheduler = scheduler_from_config(cfg.scheduler, optimizer)
     elif cfg.scheduler is not None:
-        raise ConfigError("an lr_scheduler was passed to initialize() and the config has a "
-                          "'scheduler' section too; keep one of them")
+        if not _all_auto(cfg.scheduler.params):
+            raise ConfigError("an lr_scheduler was passed to initialize() and the config has a "
+                              "'scheduler' section too; keep one of them (a section whose "
+                              "params are all \"auto\" defers to the one passed)")
+        notice("scheduler", "the section's \"auto\" params are resolved from the lr_scheduler "
+               f"passed to initialize() ({type(lr_scheduler).__name__})")
     return ZeroEngine(model, optimizer, cfg, comm, device, lr_scheduler)

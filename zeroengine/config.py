@@ -70,7 +70,8 @@ class ZeroConfig:
                                      "reduce-scatter / all-reduce each). Smaller buckets start "
                                      "communicating earlier in backward and, at stage 2, bound "
                                      "the gradient memory in flight (two buckets); larger ones "
-                                     "make fewer calls.", lo=1, auto=True)
+                                     "make fewer calls. 0: every parameter a bucket of its own.",
+                                     lo=0, auto=True)
     allgather_bucket_size: int = option(50_000_000, "Most elements in flight at once in the "
                                         "all-gather of updated parameters after a step.", lo=1)
     reduce_scatter: bool = option(True, "Stages 1-2: reduce-scatter gradients to their owners. "
@@ -336,8 +337,8 @@ def _not_a_field(full: str, key: str, value, known: list[str], top_level: bool) 
         why, is_off = REFUSED[full]
         if is_off(value):
             return  # the feature's off value: nothing to implement
-        raise ConfigError(f"'{full}' asks for {why}; remove it from the config (or turn the "
-                          "feature off)")
+        raise ConfigError(f"'{full}': {why}; remove it from the config (or turn the feature "
+                          "off)")
     if full in NO_EFFECT:
         notice(full, f"accepted, no effect in zeroengine: {NO_EFFECT[full]}")
         return
@@ -365,6 +366,36 @@ def load_json(path: str | os.PathLike) -> dict:
                           f"column {err.colno}") from None
 
 
+def _deprecated_offload(raw: dict) -> dict:
+    """DeepSpeed's deprecated zero_optimization.cpu_offload / cpu_offload_param(s) /
+    cpu_offload_use_pin_memory, read as DeepSpeed reads them: offload_optimizer / offload_param
+    {"device": "cpu"} (and their pin_memory). A copy; the caller's dict is left alone."""
+    zero = raw.get("zero_optimization")
+    old = ("cpu_offload", "cpu_offload_param", "cpu_offload_params", "cpu_offload_use_pin_memory")
+    if not isinstance(zero, dict) or not any(k in zero for k in old):
+        return raw
+    zero = dict(zero)
+    pin = zero.pop("cpu_offload_use_pin_memory", None)
+    for key, section in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param",
+                                                                  "offload_param"),
+                         ("cpu_offload_params", "offload_param")):
+        if key not in zero:
+            continue
+        on = zero.pop(key)
+        notice(f"zero_optimization.{key}", f"deprecated by DeepSpeed; read as "
+               f"zero_optimization.{section}" + (' {"device": "cpu"}' if on is True else ""))
+        if on is True:
+            if section in zero:
+                raise ConfigError(f"zero_optimization.{key} and zero_optimization.{section} "
+                                  "both given; keep the second")
+            zero[section] = {"device": "cpu", **({"pin_memory": pin} if pin is not None
+                                                 else {})}
+        elif on is not False:
+            raise ConfigError(f"zero_optimization.{key}: expected a boolean, got "
+                              f"{json.dumps(on)}")
+    return {**raw, "zero_optimization": zero}
+
+
 def parse_config(source: "str | os.PathLike | dict | Config") -> Config:
     """Validate a config given as a path to a JSON file, a dict, or an already-parsed Config."""
     if isinstance(source, Config):
@@ -372,7 +403,7 @@ def parse_config(source: "str | os.PathLike | dict | Config") -> Config:
     raw = load_json(source) if isinstance(source, (str, os.PathLike)) else source
     if not isinstance(raw, dict):
         raise ConfigError(f"a config must be a JSON object or dict, got {type(raw).__name__}")
-    cfg = parse_section(Config, raw, "")
+    cfg = parse_section(Config, _deprecated_offload(raw), "")
     if cfg.fp16.enabled is True and cfg.bf16.enabled is True:
         raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one")
     zero = cfg.zero_optimization

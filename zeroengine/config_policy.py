@@ -79,14 +79,8 @@ REFUSED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "zero_optimization.leaf_module": ("DeepSpeed's leaf_module section: name the classes in "
                                       "zero_optimization.stage3_leaf_modules instead",
                                       _disabled),
-    "zero_optimization.cpu_offload": ("the deprecated cpu_offload: use \"offload_optimizer\": "
-                                      "{\"device\": \"cpu\"}", _equals(False)),
-    "zero_optimization.cpu_offload_param": ("the deprecated cpu_offload_param: use "
-                                            "\"offload_param\": {\"device\": \"cpu\"}",
-                                            _equals(False)),
-    "zero_optimization.cpu_offload_params": ("the deprecated cpu_offload_params: use "
-                                             "\"offload_param\": {\"device\": \"cpu\"}",
-                                             _equals(False)),
+    "fp16.fp16_master_weights_and_grads": ("fp16 master weights and gradients (instead of "
+                                           "fp32 masters) are " + _FEATURE, _equals(False)),
 }
 
 _LOGGING = "steers DeepSpeed's own logging or profiling"
@@ -119,6 +113,5 @@ NO_EFFECT: dict[str, str] = {
         "stage3_use_all_reduce_for_fetch_params", "use_all_reduce_for_fetch_params",
         "stage3_allgather_sequential", "allgather_sequential", "use_multi_rank_bucket_allreduce",
         "memory_efficient_linear", "legacy_stage1", "override_module_apply",
-        "pipeline_loading_checkpoint", "log_trace_cache_warnings",
-        "cpu_offload_use_pin_memory")},
+        "pipeline_loading_checkpoint", "log_trace_cache_warnings")},
 }

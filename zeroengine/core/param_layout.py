@@ -25,6 +25,7 @@ def lay_out_parameters(module: nn.Module, optimizer: torch.optim.Optimizer,
     parameters kept whole (below stage3_param_persistence_threshold elements) and
     partitioned ones, whose segments follow the modules that hold them."""
     shard_world = comm.world_size if sharding.optimizer_state else 1
+    bucket = max(1, zero.reduce_bucket_size)  # 0 (DeepSpeed accepts it): one parameter each
     offload_master = zero.offload_optimizer.device == "cpu"
     owner: dict[int, int] = {}  # parameter -> index of the first module holding it
     for mi, mod in enumerate(module.modules()):
@@ -58,7 +59,7 @@ def lay_out_parameters(module: nn.Module, optimizer: torch.optim.Optimizer,
                                key=lambda p: (-owner[id(p)], -order[id(p)]))
                 if split:
                     groups.append(FlatParamGroup(
-                        split, gi, comm.rank, shard_world, zero.reduce_bucket_size,
+                        split, gi, comm.rank, shard_world, bucket,
                         device, compute_dtype=dtype, partitioned=True,
                         units=[owner[id(p)] for p in split], value_of=value_of,
                         offload_master=offload_master,
@@ -68,7 +69,7 @@ def lay_out_parameters(module: nn.Module, optimizer: torch.optim.Optimizer,
                             del p._ze_slice  # its values now live in the group's shard
             if whole:
                 groups.append(FlatParamGroup(whole, gi, comm.rank, shard_world,
-                                             zero.reduce_bucket_size, device,
+                                             bucket, device,
                                              compute_dtype=dtype,
                                              offload_master=offload_master, pin=pin))
     return groups

@@ -119,7 +119,8 @@ def scheduler_from_config(cfg: SchedulerConfig | None, optimizer):
                 params[key] = 0.0
             else:
                 raise ConfigError(f"scheduler.params.{key}: 'auto' cannot be resolved by the "
-                                  "engine (it does not know the length of the run); give a value")
+                                  "engine (it does not know the length of the run); give a "
+                                  "value, or pass lr_scheduler= to initialize()")
     try:
         return cls(optimizer, **params)
     except TypeError as err:
