@@ -31,9 +31,18 @@ __all__ = ["initialize", "init_distributed", "gathered_parameters", "zero_init",
            "ConfigError", "Config", "parse_config", "RankMismatchError", "__version__"]
 
 
-def _all_auto(params: dict) -> bool:
-    """An optimizer/scheduler section that leaves every value to whoever runs it (HF style)."""
-    return bool(params) and all(value == "auto" for value in params.values())
+def _passed_and_configured(section: str, what: str, passed, configured) -> None:
+    """An object passed to initialize() and a config section for the same thing: refused,
+    unless the section's params are all "auto" (HF style), which the object resolves."""
+    if passed is None or configured is None:
+        return
+    params = configured.params
+    if not (params and all(value == "auto" for value in params.values())):
+        raise ConfigError(f"{what} was passed to initialize() and the config has a '{section}' "
+                          "section too; keep one of them (a section whose params are all "
+                          "\"auto\" defers to the one passed)")
+    notice(section, f"the section's \"auto\" params are resolved from the "
+           f"{type(passed).__name__} passed to initialize()")
 
 
 def _device(local_rank: int) -> torch.device:
@@ -43,13 +52,7 @@ def _device(local_rank: int) -> torch.device:
 
 
 def _prepare_optimizer(model: nn.Module, cfg: Config, optimizer) -> torch.optim.Optimizer:
-    if optimizer is not None and cfg.optimizer is not None:
-        if not _all_auto(cfg.optimizer.params):
-            raise ConfigError("an optimizer was passed to initialize() and the config has an "
-                              "'optimizer' section too; keep one of them (a section whose "
-                              "params are all \"auto\" defers to the one passed)")
-        notice("optimizer", "the section's \"auto\" params are resolved from the optimizer "
-               f"passed to initialize() ({type(optimizer).__name__})")
+    _passed_and_configured("optimizer", "an optimizer", optimizer, cfg.optimizer)
     if optimizer is None:
         if cfg.optimizer is None:
             raise ConfigError("no optimizer: pass one to initialize(model, config, optimizer=...) "
@@ -112,11 +115,6 @@ def initialize(model: nn.Module, config, optimizer: torch.optim.Optimizer | None
     optimizer = _prepare_optimizer(model, cfg, optimizer)
     if lr_scheduler is None:
         lr_scheduler = scheduler_from_config(cfg.scheduler, optimizer)
-    elif cfg.scheduler is not None:
-        if not _all_auto(cfg.scheduler.params):
-            raise ConfigError("an lr_scheduler was passed to initialize() and the config has a "
-                              "'scheduler' section too; keep one of them (a section whose "
-                              "params are all \"auto\" defers to the one passed)")
-        notice("scheduler", "the section's \"auto\" params are resolved from the lr_scheduler "
-               f"passed to initialize() ({type(lr_scheduler).__name__})")
+    else:
+        _passed_and_configured("scheduler", "an lr_scheduler", lr_scheduler, cfg.scheduler)
     return ZeroEngine(model, optimizer, cfg, comm, device, lr_scheduler)
