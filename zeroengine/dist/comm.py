@@ -93,6 +93,16 @@ def _destroy_group_at_exit() -> None:
     atexit.register(destroy)
 
 
+def shutdown_distributed(comm: "Comm") -> None:
+    """End of a job that joined the group itself: every rank reaches this point, then the group
+    is taken down while all peers are still connected. A rank whose peers closed their sockets
+    while it was still tearing its gloo group down can abort ("terminate called without an
+    active exception") after the job itself succeeded."""
+    if dist.is_available() and dist.is_initialized():
+        comm.barrier(what="the end of the job")
+        dist.destroy_process_group()
+
+
 class CollectiveError(RuntimeError):
     """A collective that could not complete: it timed out waiting for another rank, or a peer
     went away. The message names the operation, what it carried and the step."""

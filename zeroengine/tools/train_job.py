@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 import zeroengine
+from zeroengine.dist.comm import shutdown_distributed
 from zeroengine.examples.gpt import GPT, GPTConfig, num_params
 from zeroengine.tools.job_config import job_config
 
@@ -255,6 +256,7 @@ def run(config_path: str, resume: bool = False, steps: int | None = None,
                  last.get("val_loss"), metrics.path, f", plot {plot}" if plot else "")
         log.info("sample:\n%s", text)
     engine.close()
+    shutdown_distributed(engine.comm)
     return last
 
 
