@@ -177,3 +177,22 @@ def test_check_config_valid_means_initialize_accepts_it(tmp_path, capsys, text, 
     path.write_text(text)
     assert main(["check-config", str(path)]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_check_config_reports_how_each_key_is_read(tmp_path, capsys):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({
+        "zero_optimization": {"stage": 3, "max_live_parameters": 5,
+                              "contiguous_gradients": True, "zero_quantized_weights": False},
+        "prescale_gradients": False, "cuda_visible_devices": "0"}))
+    assert main(["check-config", str(path)]) == 0
+    err = capsys.readouterr().err
+    rows = {line.split()[0]: line.split(None, 1)[1] for line in err.splitlines()
+            if line.startswith("  ")}
+    assert rows["zero_optimization.stage"] == "used"
+    assert rows["zero_optimization.max_live_parameters"] == \
+        "used (as stage3_max_live_parameters)"
+    assert rows["zero_optimization.contiguous_gradients"].startswith("accepted, no effect")
+    assert rows["zero_optimization.zero_quantized_weights"] == "accepted: the feature is off"
+    assert rows["prescale_gradients"].startswith("accepted, no effect here")
+    assert rows["cuda_visible_devices"] == "ignored: unknown top-level key"

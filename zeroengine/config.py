@@ -17,6 +17,7 @@ close to nothing is reported once and ignored, as DeepSpeed ignores it.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import json
@@ -293,6 +294,27 @@ def _unwrap_optional(t):
     return t, False
 
 
+# check-config's per-key report: (key, how zeroengine reads it), while collect_report() is open
+_report: list[tuple[str, str]] | None = None
+
+
+@contextlib.contextmanager
+def collect_report():
+    """Within the block, parsing records how each key of the config is read; yields the list
+    of (key, verdict) rows: used as DeepSpeed means it / accepted, no effect here / refused."""
+    global _report
+    before, _report = _report, []
+    try:
+        yield _report
+    finally:
+        _report = before
+
+
+def _say(key: str, verdict: str) -> None:
+    if _report is not None:
+        _report.append((key, verdict))
+
+
 def parse_section(cls, raw, path: str):
     """A dataclass of ``option`` fields from a JSON object, every key and value checked; the
     engine's sections and the job's (tools/job_config.py) are read with it."""
@@ -317,9 +339,13 @@ def parse_section(cls, raw, path: str):
             raise ConfigError(f"'{full}' and '{path + '.' if path else ''}{given_as[name]}' "
                               "are the same setting, given twice; keep one")
         given_as[name] = key
-        if key in fields[name].metadata.get("deprecated", ()):
+        meta = fields[name].metadata
+        if key in meta.get("deprecated", ()):
             notice(full, f"deprecated by DeepSpeed; read as '{name}'")
         t, optional = _unwrap_optional(hints[name])
+        if not dataclasses.is_dataclass(t):
+            _say(full, f"accepted, no effect here: {meta['no_effect']}" if meta["no_effect"]
+                 else "used" + ("" if key == name else f" (as {name})"))
         if value is None and optional:
             values[name] = None
         elif dataclasses.is_dataclass(t):
@@ -336,11 +362,14 @@ def _not_a_field(full: str, key: str, value, known: list[str], top_level: bool) 
     if full in REFUSED:
         why, is_off = REFUSED[full]
         if is_off(value):
+            _say(full, "accepted: the feature is off")
             return  # the feature's off value: nothing to implement
+        _say(full, f"refused: {why}")
         raise ConfigError(f"'{full}': {why}; remove it from the config (or turn the feature "
                           "off)")
     if full in NO_EFFECT:
         notice(full, f"accepted, no effect in zeroengine: {NO_EFFECT[full]}")
+        _say(full, f"accepted, no effect here: {NO_EFFECT[full]}")
         return
     close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
     if close:
@@ -349,6 +378,7 @@ def _not_a_field(full: str, key: str, value, known: list[str], top_level: bool) 
     if top_level:
         notice(full, "unknown to zeroengine and ignored (DeepSpeed ignores unknown top-level "
                "keys too)")
+        _say(full, "ignored: unknown top-level key")
         return
     raise ConfigError(f"unknown config key '{full}'; valid keys here: {', '.join(sorted(known))}")
 

@@ -46,11 +46,17 @@ def _check_config(args) -> int:
 
     import torch
 
-    from ..config import parse_config, resolve_auto
+    from ..config import collect_report, parse_config, resolve_auto
     from ..core.optimizer_factory import optimizer_from_config
     from ..core.schedulers import scheduler_from_config
     from .job_config import job_config
-    cfg = parse_config(args.config)
+    with collect_report() as report:
+        try:
+            cfg = parse_config(args.config)
+        finally:  # what was read before a refusal is worth seeing too
+            width = max((len(k) for k, _ in report), default=0)
+            for key, verdict in report:
+                print(f"  {key:<{width}}  {verdict}", file=sys.stderr)
     resolve_auto(cfg, args.world, "float32")
     # "valid" means initialize() accepts it: build what it would build from the config alone
     # (the optimizer and scheduler sections, over a stand-in parameter)
