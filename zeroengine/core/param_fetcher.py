@@ -388,9 +388,11 @@ class ParamFetcher:
         forward = self._before["forward"]
         distance = forward[-1] - forward[min(here + 1, len(forward) - 1)] + \
             self._before["backward"][self._positions["backward"][key]]
+        if distance > self.max_reuse_numel:
+            return False
         # kept, it must still leave room under max_live for a module of its size to gather
-        live = self.gathered_numel() + self._segment_numel(key)
-        return distance <= self.max_reuse_numel and live <= self.max_live_numel
+        # (summed over what is gathered: only for a segment within the reuse distance)
+        return self.gathered_numel() + self._segment_numel(key) <= self.max_live_numel
 
     # -- prefetch ------------------------------------------------------------------------------
     def _prefetch_after(self, keys: list[Key]) -> None:
