@@ -303,7 +303,7 @@ def test_auto_gradient_clipping_is_the_trainers_default(notices):
     {"prescale_gradients": False}, {"prescale_gradients": True},
     {"gradient_predivide_factor": 1.0}, {"zero_force_ds_cpu_optimizer": False},
     {"comms_logger": {"enabled": True}}, {"flops_profiler": {"enabled": False}},
-    {"tensorboard": {"enabled": True, "output_path": "x"}}, {"dataloader_drop_last": True},
+    {"comet": {"enabled": True, "project": "x"}}, {"dataloader_drop_last": True},
     {"zero_optimization": {"stage3_module_granularity_threshold": 0, "sub_group_size": 0}},
     {"zero_optimization": {"stage3_model_persistence_threshold": 10}},
 ])

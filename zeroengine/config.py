@@ -167,6 +167,33 @@ class BF16Config:
 
 
 @dataclass
+class TensorBoardConfig:
+    enabled: bool = option(False, "Rank 0 writes Train/Samples/train_loss, lr and (fp16) "
+                           "loss_scale at each optimizer step, against the samples seen, as "
+                           "TensorBoard scalars (needs the tensorboard package).")
+    output_path: str = option("", "Directory the run's directory goes under.")
+    job_name: str = option("DeepSpeedJobName", "The run's directory: output_path/job_name.")
+
+
+@dataclass
+class CSVMonitorConfig:
+    enabled: bool = option(False, "Rank 0 appends the same events as tensorboard to one CSV "
+                           "file per event (output_path/job_name/Train_Samples_lr.csv, ...; "
+                           "columns step,<name>), as DeepSpeed's csv_monitor. No package needed.")
+    output_path: str = option("", "Directory the run's directory goes under.")
+    job_name: str = option("DeepSpeedJobName", "The run's directory: output_path/job_name.")
+
+
+@dataclass
+class WandbConfig:
+    enabled: bool = option(False, "Rank 0 logs the same events to Weights & Biases (needs the "
+                           "wandb package; without it the run says so once and goes on).")
+    group: Optional[str] = option(None, "W&B group.")
+    team: Optional[str] = option(None, "W&B entity (team).")
+    project: str = option("deepspeed", "W&B project.")
+
+
+@dataclass
 class OptimizerConfig:
     type: str = option("AdamW", "Adam, AdamW, SGD, or the name of any elementwise torch.optim "
                        "optimizer (Adagrad, RMSprop, NAdam, ...). 'Adam' follows DeepSpeed: "
@@ -220,6 +247,10 @@ class Config:
     bf16: BF16Config = option(BF16Config(), "bfloat16 mixed precision.")
     zero_optimization: ZeroConfig = option(ZeroConfig(), "What is sharded and how gradients "
                                            "travel.")
+    tensorboard: TensorBoardConfig = option(TensorBoardConfig(), "DeepSpeed's TensorBoard "
+                                            "monitor.")
+    csv_monitor: CSVMonitorConfig = option(CSVMonitorConfig(), "DeepSpeed's CSV monitor.")
+    wandb: WandbConfig = option(WandbConfig(), "DeepSpeed's Weights & Biases monitor.")
     communication_data_type: Optional[str] = option(
         None, "dtype gradients are reduced in: 'fp32', 'bf16' or 'fp16'. Default (null): the "
         "compute dtype, which halves the bytes of a bf16/fp16 run and is what the ZeRO paper's "

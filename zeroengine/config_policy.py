@@ -89,9 +89,10 @@ _INTERNAL = "tunes DeepSpeed's internals; zeroengine has its own"
 NO_EFFECT: dict[str, str] = {
     **{k: _LOGGING for k in ("comms_logger", "flops_profiler", "timers", "dump_state",
                              "memory_breakdown")},
-    **{k: "DeepSpeed's monitor backends are not written by zeroengine.initialize (the "
-          "`zeroengine train` job writes metrics.jsonl and TensorBoard scalars)"
-       for k in ("tensorboard", "wandb", "csv_monitor", "comet", "monitor_config")},
+    "comet": "zeroengine writes DeepSpeed's monitor events to tensorboard, csv_monitor and "
+             "wandb, not to Comet",
+    "monitor_config": "DeepSpeed's monitors are configured by the top-level tensorboard, "
+                      "csv_monitor and wandb sections",
     "prescale_gradients": "gradients are averaged in the reduction itself; the mean is the same",
     "gradient_predivide_factor": "gradients are averaged in the reduction itself; the mean is "
                                  "the same",

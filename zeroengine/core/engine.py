@@ -34,6 +34,7 @@ import torch.nn as nn
 
 from ..config import AUTO, Config
 from ..dist.comm import Comm
+from ..monitor import Monitor
 from . import gathered
 from .drop_in import ForwardGuard, redirect_optimizer, register_parameters, unregister_parameters
 from .grad_reducer import GradReducer, ReduceSettings
@@ -63,6 +64,8 @@ class ZeroEngine:
         self._backward_done = False  # engine.backward() ran for the current micro-step
         self._cast_inputs = torch.float16 if config.fp16.enabled and config.fp16.auto_cast \
             else None
+        self.monitor = Monitor.from_config(config, comm.rank)
+        self._loss_sum: torch.Tensor | None = None  # this step's micro-step losses (monitor)
         zero = config.zero_optimization
         self.precision = Precision.from_config(config)
         self.offload_optimizer = zero.offload_optimizer.device == "cpu"
@@ -126,7 +129,9 @@ class ZeroEngine:
         return [p for fg in self.flat_groups for p in fg.params]
 
     def close(self) -> None:
-        """Remove every hook the engine put on the model and its parameters."""
+        """Remove every hook the engine put on the model and its parameters; close the
+        monitor's writers."""
+        self.monitor.close()
         unregister_parameters(self._managed_params())
         self.guard.remove()
         self.reducer.remove_hooks()
@@ -178,6 +183,9 @@ class ZeroEngine:
                 f"(step() only updates every gradient_accumulation_steps="
                 f"{self.gradient_accumulation_steps} micro-steps); for several losses of one "
                 "micro-step, add them and call backward once")
+        if self.monitor.enabled:  # summed on the device: no host sync per micro-step
+            value = loss.detach().float()
+            self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
         factor = self.loss_scale / self.gradient_accumulation_steps
         if factor != 1.0:
             # fp16: scaled in fp32, since loss x 2**16 overflows fp16 itself.
@@ -209,6 +217,22 @@ class ZeroEngine:
         every = self.config.steps_per_print
         if every and self.global_steps % every == 0 and self.comm.rank == 0:
             _log_progress(self)
+        if self.monitor.enabled:
+            self._write_monitor_events()
+
+    def _write_monitor_events(self) -> None:
+        """DeepSpeed's per-step events (monitor.py) against the samples seen so far (the
+        optimizer steps when no batch size was configured)."""
+        batch = self.config.train_batch_size
+        x = self.global_steps * batch if batch else self.global_steps
+        events = [("Train/Samples/lr", float(self.optimizer.param_groups[0]["lr"]), x)]
+        if self._loss_sum is not None:
+            loss = self._loss_sum.item() / self.gradient_accumulation_steps
+            events.insert(0, ("Train/Samples/train_loss", loss, x))
+            self._loss_sum = None
+        if self.config.fp16.enabled:
+            events.append(("Train/Samples/loss_scale", float(self.loss_scale), x))
+        self.monitor.write(events)
 
     @contextlib.contextmanager
     def no_sync(self):
