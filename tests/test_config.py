@@ -377,3 +377,38 @@ def test_auto_sections_defer_to_what_initialize_is_given(notices):
     m = _model()
     with pytest.raises(ConfigError, match="warmup_num_steps: 'auto'.*pass lr_scheduler="):
         zeroengine.initialize(m, auto, optimizer=torch.optim.SGD(m.parameters(), lr=0.1))
+
+
+def test_auto_bucket_sizes_follow_the_models_hidden_size(notices):
+    """As transformers fills them for DeepSpeed: reduce h*h; at stage 3 prefetch 0.9*h*h and
+    persistence 10*h - only for keys the config writes as "auto"; each value said once."""
+    from types import SimpleNamespace
+
+    from zeroengine.config import model_hidden_size
+    hf_like = SimpleNamespace(config=SimpleNamespace(hidden_size=48))
+    assert model_hidden_size(hf_like) == 48
+    assert model_hidden_size(SimpleNamespace(config=SimpleNamespace(hidden_sizes=[8, 96]))) == 96
+    assert model_hidden_size(SimpleNamespace(config=SimpleNamespace(
+        text_config=SimpleNamespace(hidden_size=32)))) == 32
+    assert model_hidden_size(torch.nn.Linear(2, 2)) is None
+    raw = {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
+                                 "stage3_prefetch_bucket_size": "auto",
+                                 "stage3_param_persistence_threshold": "auto"}}
+    zero = resolve_auto(parse_config(raw), 2, "float32", 48).zero_optimization
+    assert (zero.reduce_bucket_size, zero.stage3_prefetch_bucket_size,
+            zero.stage3_param_persistence_threshold) == (48 * 48, int(0.9 * 48 * 48), 480)
+    said = notices()
+    assert sum("2,304" in n and "hidden_size" in n for n in said) == 1, said
+    # without a hidden size: zeroengine's own values, and the prefetch window stays the
+    # engine's model-sized "auto"
+    zero = resolve_auto(parse_config(raw), 2, "float32", None).zero_optimization
+    assert (zero.reduce_bucket_size, zero.stage3_prefetch_bucket_size,
+            zero.stage3_param_persistence_threshold) == (5_000_000, "auto", 100_000)
+    # not written as "auto": the defaults, whatever the hidden size
+    zero = resolve_auto(parse_config({"zero_optimization": {"stage": 3}}), 2, "float32",
+                        48).zero_optimization
+    assert (zero.reduce_bucket_size, zero.stage3_prefetch_bucket_size) == (5_000_000, "auto")
+    # below stage 3 only the reduce bucket follows h
+    raw["zero_optimization"]["stage"] = 2
+    zero = resolve_auto(parse_config(raw), 2, "float32", 48).zero_optimization
+    assert (zero.reduce_bucket_size, zero.stage3_param_persistence_threshold) == (2304, 100_000)

@@ -48,12 +48,23 @@ def reference(steps: int) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+# stage 3 runs with the bucket sizes of HF's ds_config_zero3.json: "auto", filled from the
+# model's config.hidden_size (32) as transformers fills them for DeepSpeed
+HF_AUTO_BUCKETS = {"reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                   "stage3_param_persistence_threshold": "auto"}
+
+
 def train_ranks(stage: int, save_dir: str | None) -> dict[str, torch.Tensor]:
     model = make_lm()
-    engine = zeroengine.initialize(
-        model, {"zero_optimization": {"stage": stage, "reduce_bucket_size": 2000,
-                                      "stage3_param_persistence_threshold": 0}},
-        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2))
+    zero = {"stage": stage, **(HF_AUTO_BUCKETS if stage == 3 else {
+        "reduce_bucket_size": 2000, "stage3_param_persistence_threshold": 0})}
+    engine = zeroengine.initialize(model, {"zero_optimization": zero},
+                                   optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2))
+    if stage == 3:
+        z = engine.config.zero_optimization
+        assert (z.reduce_bucket_size, z.stage3_prefetch_bucket_size,
+                z.stage3_param_persistence_threshold) == (32 * 32, int(0.9 * 32 * 32), 320)
+        assert engine.fetcher.prefetch_numel == int(0.9 * 32 * 32)
     for step in range(STEPS):
         ids = tokens(step, engine.comm.rank)
         engine.backward(engine(input_ids=ids, labels=ids).loss)  # the model's own loss

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from ._version import __version__
-from .config import Config, ConfigError, parse_config, resolve_auto, to_dict
+from .config import Config, ConfigError, model_hidden_size, parse_config, resolve_auto, to_dict
 from .config_policy import notice
 from .core.drop_in import install as _install_drop_in
 from .core.engine import ZeroEngine
@@ -105,7 +105,8 @@ def initialize(model: nn.Module, config, optimizer: torch.optim.Optimizer | None
     # the first collective: ranks that built different things stop here, all with the reason
     check_rank_consistency(model, config_as_built, __version__, comm, device)
     first = next(model.parameters())
-    resolve_auto(cfg, comm.world_size, str(first.dtype).replace("torch.", ""))
+    resolve_auto(cfg, comm.world_size, str(first.dtype).replace("torch.", ""),
+                 model_hidden_size(model))
     if not Sharding.of_stage(cfg.zero_optimization.stage).parameters and \
             any(hasattr(p, "_ze_slice") for p in model.parameters()):
         warnings.warn("the model was built under zero_init but the config's stage is "

@@ -71,7 +71,10 @@ class ZeroConfig:
                                      "reduce-scatter / all-reduce each). Smaller buckets start "
                                      "communicating earlier in backward and, at stage 2, bound "
                                      "the gradient memory in flight (two buckets); larger ones "
-                                     "make fewer calls. 0: every parameter a bucket of its own.",
+                                     "make fewer calls. 0: every parameter a bucket of its own. "
+                                     "\"auto\": hidden_size^2 for a model whose config "
+                                     "declares a hidden_size (as transformers fills it for "
+                                     "DeepSpeed), else the default.",
                                      lo=0, auto=True)
     allgather_bucket_size: int = option(50_000_000, "Most elements in flight at once in the "
                                         "all-gather of updated parameters after a step.", lo=1)
@@ -106,10 +109,15 @@ class ZeroConfig:
         AUTO, "Stage 3: most elements gathered ahead of their use. \"auto\": sized from the "
         "model - an eighth of the partitioned elements, at least two of its largest segments "
         "(a few layers' worth) - so that stage 3 holds a window of the model, not all of it. "
-        "(DeepSpeed's default, 50,000,000, gathers the whole of any smaller model.)", lo=0,
+        "(DeepSpeed's default, 50,000,000, gathers the whole of any smaller model.) Written "
+        "as \"auto\" in the config for a model whose config declares a hidden_size: 0.9 x "
+        "hidden_size^2, as transformers fills it for DeepSpeed.", lo=0,
         auto=True, aliases=("prefetch_bucket_size",))
     stage3_param_persistence_threshold: int = option(100_000, "Stage 3: parameters with fewer "
-                                                     "elements stay whole on every rank.", lo=0,
+                                                     "elements stay whole on every rank. "
+                                                     "\"auto\": 10 x hidden_size for a model "
+                                                     "whose config declares one, else the "
+                                                     "default.", lo=0,
                                                      auto=True,
                                                      aliases=("param_persistence_threshold",))
     stage3_check_gather_order: bool = option(
@@ -346,6 +354,11 @@ def _say(key: str, verdict: str) -> None:
         _report.append((key, verdict))
 
 
+# paths of the keys the config itself sets to "auto", while parse_config reads it: a default of
+# "auto" (zeroengine's own sizing) and a written "auto" (the HF integration's meaning) differ
+_written_auto: list[str] | None = None
+
+
 def parse_section(cls, raw, path: str):
     """A dataclass of ``option`` fields from a JSON object, every key and value checked; the
     engine's sections and the job's (tools/job_config.py) are read with it."""
@@ -383,6 +396,8 @@ def parse_section(cls, raw, path: str):
             values[name] = parse_section(t, value, f"{path}.{name}" if path else name)
         else:
             values[name] = _coerce(value, t, full, fields[name].metadata)
+            if values[name] is AUTO and _written_auto is not None:  # under the schema's name
+                _written_auto.append(f"{path}.{name}" if path else name)
     return cls(**values)
 
 
@@ -464,7 +479,13 @@ def parse_config(source: "str | os.PathLike | dict | Config") -> Config:
     raw = load_json(source) if isinstance(source, (str, os.PathLike)) else source
     if not isinstance(raw, dict):
         raise ConfigError(f"a config must be a JSON object or dict, got {type(raw).__name__}")
-    cfg = parse_section(Config, _deprecated_offload(raw), "")
+    global _written_auto
+    before, _written_auto = _written_auto, []
+    try:
+        cfg = parse_section(Config, _deprecated_offload(raw), "")
+        cfg.written_auto = frozenset(_written_auto)  # read by resolve_auto
+    finally:
+        _written_auto = before
     if cfg.fp16.enabled is True and cfg.bf16.enabled is True:
         raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one")
     zero = cfg.zero_optimization
@@ -522,8 +543,60 @@ def auto_stage3_window(partitioned_numel: float, largest_segment_numel: float) -
     return int(max(2 * largest_segment_numel, partitioned_numel // 8))
 
 
-def resolve_auto(cfg: Config, world_size: int, param_dtype_name: str | None = None) -> Config:
-    """Replace 'auto' values with what the engine knows; refuse the ones it cannot know."""
+def model_hidden_size(module) -> int | None:
+    """The hidden size a Hugging Face model's config declares (hidden_size, the largest of
+    hidden_sizes, or the same under text_config), as transformers' DeepSpeed integration reads
+    it to fill in "auto" bucket sizes; None for a model without such a config."""
+    config = getattr(module, "config", None)
+    for source in (config, getattr(config, "text_config", None)):
+        size = getattr(source, "hidden_size", None)
+        if isinstance(size, int) and size > 0:
+            return size
+        sizes = getattr(source, "hidden_sizes", None)
+        if isinstance(sizes, (list, tuple)) and sizes and all(isinstance(v, int) for v in sizes):
+            return max(sizes)
+    return None
+
+
+def _resolve_bucket_autos(cfg: Config, hidden_size: int | None) -> None:
+    """The bucket sizes a config sets to "auto": from the model's hidden size h as transformers
+    fills them for DeepSpeed (reduce h*h; stage 3: prefetch 0.9*h*h, persistence 10*h), else
+    zeroengine's own values. Each chosen value is said once."""
+    zero = cfg.zero_optimization
+    written = getattr(cfg, "written_auto", frozenset())
+    stage3 = zero.stage == 3
+    rules = {"reduce_bucket_size": (lambda h: h * h, "hidden_size^2"),
+             "stage3_param_persistence_threshold": (lambda h: 10 * h, "10 x hidden_size"),
+             "stage3_prefetch_bucket_size": (lambda h: int(0.9 * h * h), "0.9 x hidden_size^2")}
+    defaults = ZeroConfig()
+    for name, (rule, text) in rules.items():
+        path = f"zero_optimization.{name}"
+        if getattr(zero, name) != AUTO or (name == "stage3_prefetch_bucket_size"
+                                           and path not in written):
+            continue  # the prefetch default is "auto" too: the engine's window
+        if not stage3 and name != "reduce_bucket_size":
+            setattr(zero, name, getattr(defaults, name))  # a stage-3 key: unused below stage 3
+            continue
+        if hidden_size is not None:
+            value = rule(hidden_size)
+            why = f"{text} with the model's config.hidden_size {hidden_size}, as the Hugging " \
+                  "Face DeepSpeed integration fills it"
+        elif name == "stage3_prefetch_bucket_size":
+            notice(path, "'auto': sized by the engine from the model it partitions (a window of "
+                   "a few layers; the model has no config.hidden_size to size it from)")
+            continue
+        else:
+            value = getattr(defaults, name)
+            why = "zeroengine's default" + ("" if hidden_size is not None else
+                                            " (the model has no config.hidden_size)")
+        setattr(zero, name, value)
+        notice(path, f"'auto' resolved to {value:,} ({why})")
+
+
+def resolve_auto(cfg: Config, world_size: int, param_dtype_name: str | None = None,
+                 hidden_size: int | None = None) -> Config:
+    """Replace 'auto' values with what the engine knows; refuse the ones it cannot know.
+    ``hidden_size``: the model's (model_hidden_size), which sizes "auto" buckets."""
     resolve_batch(cfg, world_size)
     if cfg.gradient_clipping == AUTO:
         cfg.gradient_clipping = 1.0
@@ -533,12 +606,9 @@ def resolve_auto(cfg: Config, world_size: int, param_dtype_name: str | None = No
         cfg.fp16.enabled = param_dtype_name == "float16"
     if cfg.bf16.enabled == AUTO:
         cfg.bf16.enabled = param_dtype_name == "bfloat16"
-    zero_defaults = ZeroConfig()
-    # stage3_prefetch_bucket_size and stage3_max_reuse_distance stay "auto": the engine sizes
-    # them from the model it partitions
-    for name in ("reduce_bucket_size", "stage3_param_persistence_threshold"):
-        if getattr(cfg.zero_optimization, name) == AUTO:
-            setattr(cfg.zero_optimization, name, getattr(zero_defaults, name))
+    _resolve_bucket_autos(cfg, hidden_size)
+    # what stays "auto" (stage3_prefetch_bucket_size and stage3_max_reuse_distance by default)
+    # the engine sizes from the model it partitions
     return cfg
 
 

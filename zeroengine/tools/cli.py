@@ -2,7 +2,7 @@
 
     zeroengine train CONFIG [--nproc N] [--resume] [--steps S] [--run-name NAME]
     zeroengine consolidate CKPT_DIR OUT [--tag TAG] [--pt]
-    zeroengine check-config CONFIG [--world N]
+    zeroengine check-config CONFIG [--world N] [--hidden-size H]
     zeroengine estimate (--params P | --config CONFIG) [--stage S] [--world N ...] ...
 """
 from __future__ import annotations
@@ -57,7 +57,7 @@ def _check_config(args) -> int:
             width = max((len(k) for k, _ in report), default=0)
             for key, verdict in report:
                 print(f"  {key:<{width}}  {verdict}", file=sys.stderr)
-    resolve_auto(cfg, args.world, "float32")
+    resolve_auto(cfg, args.world, "float32", args.hidden_size)
     # "valid" means initialize() accepts it: build what it would build from the config alone
     # (the optimizer and scheduler sections, over a stand-in parameter)
     if cfg.optimizer is not None:
@@ -207,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser("check-config", help="validate a JSON config and print it resolved")
     k.add_argument("config")
     k.add_argument("--world", type=int, default=1, help="world size to resolve batch sizes for")
+    k.add_argument("--hidden-size", type=int, default=None, help="the model's config."
+                   "hidden_size, to resolve \"auto\" bucket sizes as initialize() does for a "
+                   "Hugging Face model (without it: zeroengine's defaults)")
     k.set_defaults(run=_check_config)
 
     e = sub.add_parser("estimate", help="model-state memory per rank (ZeRO formulas)")
