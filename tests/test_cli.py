@@ -165,8 +165,8 @@ def test_estimate_recommend_prints_a_row_per_world_size(capsys):
 
 
 @pytest.mark.parametrize("text,message", [
-    ('{"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "bias_correction": false}}}',
-     "bias_correction: false"),
+    ('{"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "max_grad_norm": 1.0}}}',
+     "max_grad_norm"),
     ('{"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}}', "not supported"),
     ('{"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "scheduler": {"type": '
      '"WarmupDecayLR", "params": {"total_num_steps": "auto"}}}', "total_num_steps: 'auto'"),

@@ -176,8 +176,36 @@ def test_deepspeed_adam_defaults_and_switches():
     assert _opt({"type": "AdamW", "params": {"weight_decay": 0.1}}).defaults["weight_decay"] \
         == 0.1
     assert _opt({"type": "SGD", "params": {"lr": 0.1}}).defaults["weight_decay"] == 0
-    with pytest.raises(ConfigError, match="bias_correction: false"):
-        _opt({"type": "Adam", "params": {"bias_correction": False}})
+
+
+
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+def test_deepspeed_adam_without_bias_correction(adam_w_mode):
+    """bias_correction: false (BERT's configs) is DeepSpeed's FusedAdam without the moments'
+    bias correction: checked against the update written out by hand."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(5))
+    lr, (b1, b2), eps, wd = 0.01, (0.9, 0.98), 1e-6, 0.1
+    opt = _opt({"type": "Adam", "params": {"lr": lr, "betas": [b1, b2], "eps": eps,
+                                           "weight_decay": wd, "bias_correction": False,
+                                           "adam_w_mode": adam_w_mode}}, [p])
+    ref, m, v = p.detach().clone().double(), torch.zeros(5).double(), torch.zeros(5).double()
+    for _ in range(3):
+        g = torch.randn(5)
+        p.grad = g.clone()
+        opt.step()
+        g = g.double()
+        if adam_w_mode:
+            ref *= 1 - lr * wd
+        else:
+            g = g + wd * ref
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        ref -= lr * m / (v.sqrt() + eps)
+    assert torch.allclose(p.detach().double(), ref, rtol=1e-6, atol=1e-7)
+    corrected = _opt({"type": "Adam", "params": {"lr": lr, "betas": [b1, b2], "eps": eps}},
+                     [torch.nn.Parameter(torch.zeros(5))])
+    assert type(corrected) is torch.optim.AdamW  # the default keeps torch's class
 
 
 def test_optimizer_auto_params_take_the_trainers_defaults(notices):

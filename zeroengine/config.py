@@ -204,8 +204,11 @@ class WandbConfig:
 @dataclass
 class OptimizerConfig:
     type: str = option("AdamW", "Adam, AdamW, SGD, or the name of any elementwise torch.optim "
-                       "optimizer (Adagrad, RMSprop, NAdam, ...). 'Adam' follows DeepSpeed: "
-                       "decoupled weight decay unless params.adam_w_mode is false.")
+                       "optimizer (Adagrad, RMSprop, NAdam, ...). 'Adam' and 'AdamW' follow "
+                       "DeepSpeed: weight_decay 0.0 unless given, decoupled unless "
+                       "params.adam_w_mode is false; params.bias_correction false runs "
+                       "zeroengine's Adam without the moments' bias correction; torch_adam is "
+                       "accepted (one implementation serves both).")
     params: dict = option({}, "Keyword arguments of the optimizer (lr, betas, eps, "
                           "weight_decay, ...). 'auto' values take the optimizer's own defaults.")
 

@@ -4,6 +4,7 @@ gradient and state alone) give the same result on a flat shard as on whole tenso
 from __future__ import annotations
 
 import inspect
+import json
 
 import torch
 
@@ -67,11 +68,23 @@ def optimizer_from_config(cfg: OptimizerConfig, params) -> torch.optim.Optimizer
     """The optimizer the config describes, over ``params`` (tensors or param-group dicts)."""
     kwargs = dict(cfg.params)
     name = cfg.type
+    if "max_grad_norm" in kwargs:  # old BERT configs; DeepSpeed refuses it the same way
+        raise ConfigError("optimizer.params.max_grad_norm: clipping is not an optimizer "
+                          "argument; set the top-level \"gradient_clipping\": "
+                          f"{json.dumps(kwargs['max_grad_norm'])} instead (as DeepSpeed asks)")
+    cls = None
     if name.lower() in ("adam", "adamw"):
         kwargs = _deepspeed_adam(kwargs)
         # DeepSpeed's "Adam" decouples weight decay unless told otherwise (adam_w_mode=True).
-        name = "AdamW" if kwargs.pop("adam_w_mode") else "Adam"
-    cls = _torch_optimizer_class(name)
+        adamw = kwargs.pop("adam_w_mode")
+        name = "AdamW" if adamw else "Adam"
+        if kwargs.pop("bias_correction") is False:
+            # torch's Adam always corrects the moments' bias; zeroengine's Adam (the CPU
+            # offload one: plain torch ops on any device) can leave it out, as DeepSpeed's
+            # FusedAdam does
+            cls = CPUAdam
+            kwargs.update(adamw_mode=adamw, bias_correction=False)
+    cls = cls or _torch_optimizer_class(name)
     check_elementwise(cls)
     signature = inspect.signature(cls.__init__)
     for key, value in list(kwargs.items()):
@@ -94,10 +107,7 @@ def _deepspeed_adam(kwargs: dict) -> dict:
     kwargs = {**DEEPSPEED_ADAM_DEFAULTS, **kwargs}
     kwargs.pop("torch_adam", None)  # DeepSpeed's switch between its kernel and torch's
     kwargs.setdefault("adam_w_mode", True)
-    if kwargs.pop("bias_correction", True) is False:
-        raise ConfigError("optimizer.params.bias_correction: false (Adam without bias "
-                          "correction) is not implemented by zeroengine's Adam; remove it, or "
-                          "pass an optimizer object that does it to initialize()")
+    kwargs.setdefault("bias_correction", True)
     return kwargs
 
 
