@@ -440,3 +440,22 @@ def test_auto_bucket_sizes_follow_the_models_hidden_size(notices):
     raw["zero_optimization"]["stage"] = 2
     zero = resolve_auto(parse_config(raw), 2, "float32", 48).zero_optimization
     assert (zero.reduce_bucket_size, zero.stage3_param_persistence_threshold) == (2304, 100_000)
+
+
+def test_old_deepspeed_spellings_are_read_as_deepspeed_reads_them(notices):
+    """From configs in the wild: Open-Assistant's "enabled": "true" (a string, which DeepSpeed's
+    config models read as a boolean), Megatron-DeepSpeed's "bfloat16" section and
+    communication_data_type "bfp16", trlx's fp16.opt_level (apex's, never read by DeepSpeed's
+    fp16) and bf16.loss_scale."""
+    cfg = parse_config({"fp16": {"enabled": "true", "opt_level": "O2"}})
+    assert cfg.fp16.enabled is True
+    assert parse_config({"fp16": {"enabled": "False"}}).fp16.enabled is False
+    cfg = parse_config({"bfloat16": {"enabled": True, "loss_scale": 1.0},
+                        "communication_data_type": "bfp16"})
+    assert cfg.bf16.enabled is True and cfg.communication_data_type == "bf16"
+    said = " | ".join(notices())
+    for words in ("read as the boolean true", "opt_level", "bfloat16", "'bfp16'",
+                  "bf16.loss_scale"):
+        assert words in said, (words, said)
+    refused({"fp16": {"enabled": "yes please"}}, "fp16.enabled", "a boolean")
+    refused({"bf16": {"enabled": True}, "bfloat16": {"enabled": True}}, "given twice")

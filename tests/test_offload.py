@@ -151,14 +151,22 @@ def test_offload_with_a_non_adam_keeps_the_users_class():
     engine.close()
 
 
-@pytest.mark.parametrize("stage,key,match", [
-    (0, "offload_optimizer", "offload_optimizer needs stage 1, 2 or 3"),
-    (2, "offload_param", "offload_param needs stage 3"),
-])
-def test_offload_at_a_stage_that_cannot_is_refused(stage, key, match):
-    cfg = {"zero_optimization": {"stage": stage, key: {"device": "cpu"}}}
-    with pytest.raises(ConfigError, match=match):
+def test_offload_at_a_stage_that_cannot_is_refused():
+    cfg = {"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}
+    with pytest.raises(ConfigError, match="offload_optimizer needs stage 1, 2 or 3"):
         zeroengine.parse_config(cfg)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_offload_param_below_stage_3_is_ignored_as_deepspeed_does(stage):
+    """DeepSpeed reads offload_param only at stage 3 (trlx's stage-2 configs set it): accepted,
+    said once, and the parameters stay where they are."""
+    from zeroengine import config_policy
+    config_policy._noticed.discard("zero_optimization.offload_param")
+    cfg = {"zero_optimization": {"stage": stage, "offload_param": {"device": "cpu"}}}
+    with pytest.warns(config_policy.ConfigNotice, match="offload_param.*no effect at stage"):
+        zero = zeroengine.parse_config(cfg).zero_optimization
+    assert zero.offload_param.device == "none"
 
 
 def test_nvme_is_refused_by_name():

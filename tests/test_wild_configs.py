@@ -15,15 +15,24 @@ import torch.nn as nn
 
 from zeroengine.testing import run_ranks
 
-HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_configs")
-CONFIGS = sorted(f for f in os.listdir(HERE) if f.endswith(".json") and f != "SOURCES.json")
+TESTS = os.path.dirname(os.path.abspath(__file__))
+# ds_configs: the configs collected while the policy was written; ds_configs_heldout: a second
+# set collected afterwards and first run as it is (issue 18's held-out measure)
+SETS = ("ds_configs", "ds_configs_heldout")
+CONFIGS = sorted(f"{d}/{f}" for d in SETS for f in os.listdir(os.path.join(TESTS, d))
+                 if f.endswith(".json") and f != "SOURCES.json")
 # Refused, and the feature the refusal names.
 REFUSED = {
     # DeepSpeed refuses it too: clipping belongs in "gradient_clipping"
-    "deepspeedexamples__bing_bert_deepspeed_bsz4096_adam_config.json": "max_grad_norm",
-    "deepspeedexamples__cifar_ds_config.json": "fp16 master weights",
-    "deepspeedexamples__cifar_ds_config_lamb.json": "LAMB",
-    "llama_factory__ds_z2_autotp_config.json": "tensor parallelism",
+    "ds_configs/deepspeedexamples__bing_bert_deepspeed_bsz4096_adam_config.json": "max_grad_norm",
+    "ds_configs/deepspeedexamples__cifar_ds_config.json": "fp16 master weights",
+    "ds_configs/deepspeedexamples__cifar_ds_config_lamb.json": "LAMB",
+    "ds_configs/llama_factory__ds_z2_autotp_config.json": "tensor parallelism",
+    "ds_configs_heldout/internvl__segmentation_adam_zero1_amp.json": "apex AMP is not supported",
+    # an "auto" only the Hugging Face Trainer can fill: the message says what to pass instead
+    "ds_configs_heldout/internvl__zero_stage1_config.json": "or pass an optimizer object",
+    "ds_configs_heldout/internvl__zero_stage3_config.json": "or pass an optimizer object",
+    "ds_configs_heldout/open_assistant__zero3_config_sft.json": "or pass lr_scheduler=",
 }
 
 
@@ -38,7 +47,7 @@ def train_two_steps(name: str):
 
     import zeroengine
     from zeroengine.config import ConfigError
-    with open(os.path.join(HERE, name)) as f:
+    with open(os.path.join(TESTS, name)) as f:
         raw = json.load(f)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
@@ -82,10 +91,12 @@ def outcomes():
     return {name: [rank[i] for rank in per_rank] for i, name in enumerate(CONFIGS)}
 
 
-def test_sources_are_recorded():
-    with open(os.path.join(HERE, "SOURCES.json")) as f:
-        sources = {s["file"]: s for s in json.load(f)}
-    assert sorted(sources) == CONFIGS and len(CONFIGS) >= 20
+@pytest.mark.parametrize("directory,least", [("ds_configs", 20), ("ds_configs_heldout", 10)])
+def test_sources_are_recorded(directory, least):
+    with open(os.path.join(TESTS, directory, "SOURCES.json")) as f:
+        sources = {f"{directory}/{s['file']}": s for s in json.load(f)}
+    assert sorted(sources) == [c for c in CONFIGS if c.startswith(directory + "/")]
+    assert len(sources) >= least
     assert all(s["repository"] and s["path"] and len(s["commit"]) == 40
                for s in sources.values())
 
@@ -103,6 +114,9 @@ def test_public_config_trains_or_names_the_missing_feature(outcomes, name):
         assert steps == 2 and moved and finite, (steps, moved, finite)
 
 
-def test_two_thirds_train(outcomes):
-    trained = [n for n, r in outcomes.items() if r[0][0] == "trained"]
-    assert len(trained) >= 2 * len(outcomes) / 3, (len(trained), len(outcomes))
+@pytest.mark.parametrize("directory", SETS)
+def test_two_thirds_train(outcomes, directory):
+    """Issue 18's measure, per set: the held-out set (first run: 9 of 18 trained) now 14."""
+    mine = {n: r for n, r in outcomes.items() if n.startswith(directory + "/")}
+    trained = [n for n, r in mine.items() if r[0][0] == "trained"]
+    assert len(trained) >= 2 * len(mine) / 3, (len(trained), len(mine))

@@ -37,11 +37,14 @@ class ConfigError(ValueError):
 
 
 def option(default, doc: str, *, lo=None, hi=None, choices=None, auto: bool = False,
-           no_effect: str | None = None, aliases: tuple = (), deprecated: tuple = ()):
+           no_effect: str | None = None, aliases: tuple = (), deprecated: tuple = (),
+           deprecated_values: dict | None = None):
     """Declare one config key: its default, documentation and allowed values; ``aliases``:
-    DeepSpeed's other spellings of it, ``deprecated``: spellings accepted with a warning."""
+    DeepSpeed's other spellings of it, ``deprecated``: spellings accepted with a warning,
+    ``deprecated_values``: old spellings of a value (old -> current), read with a warning."""
     meta = dict(doc=doc, lo=lo, hi=hi, choices=choices, auto=auto, no_effect=no_effect,
-                aliases=aliases, deprecated=deprecated)
+                aliases=aliases, deprecated=deprecated,
+                deprecated_values=deprecated_values or {})
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     if dataclasses.is_dataclass(default):
@@ -255,7 +258,8 @@ class Config:
     scheduler: Optional[SchedulerConfig] = option(None, "Learning-rate scheduler built by "
                                                   "initialize() when none is passed in.")
     fp16: FP16Config = option(FP16Config(), "float16 mixed precision.")
-    bf16: BF16Config = option(BF16Config(), "bfloat16 mixed precision.")
+    bf16: BF16Config = option(BF16Config(), "bfloat16 mixed precision.",
+                              deprecated=("bfloat16",))
     zero_optimization: ZeroConfig = option(ZeroConfig(), "What is sharded and how gradients "
                                            "travel.")
     tensorboard: TensorBoardConfig = option(TensorBoardConfig(), "DeepSpeed's TensorBoard "
@@ -266,7 +270,7 @@ class Config:
         None, "dtype gradients are reduced in: 'fp32', 'bf16' or 'fp16'. Default (null): the "
         "compute dtype, which halves the bytes of a bf16/fp16 run and is what the ZeRO paper's "
         "memory and traffic figures assume; 'fp32' sums more accurately over many ranks.",
-        choices=("fp32", "bf16", "fp16"))
+        choices=("fp32", "bf16", "fp16"), deprecated_values={"bfp16": "bf16"})
     wall_clock_breakdown: bool = option(False, "DeepSpeed timers.", no_effect="use "
                                         "benchmarks/step_bench.py and engine.comm_report()")
     job: dict = option({}, "The built-in `zeroengine train` job: model size, steps, evaluation, "
@@ -300,6 +304,14 @@ def _coerce(value, t, path: str, meta) -> Any:
         if meta["auto"]:
             return AUTO
         raise ConfigError(f"{path}: 'auto' is not accepted here; give {_range_text(meta, t)}")
+    if isinstance(value, str) and value in meta["deprecated_values"]:
+        notice(path, f"{value!r} is an old DeepSpeed spelling; read as "
+               f"{meta['deprecated_values'][value]!r}")
+        value = meta["deprecated_values"][value]
+    if t is bool and isinstance(value, str) and value.lower() in ("true", "false"):
+        # DeepSpeed's config models read the strings "true"/"false" as booleans
+        notice(path, f"the string {json.dumps(value)} read as the boolean {value.lower()}")
+        value = value.lower() == "true"
     if t is bool:
         ok = isinstance(value, bool)
     elif t is int:
@@ -497,9 +509,10 @@ def parse_config(source: "str | os.PathLike | dict | Config") -> Config:
                           "the rank's shard of the optimizer state); set zero_optimization.stage "
                           "or offload_optimizer.device 'none'")
     if zero.offload_param.device != "none" and zero.stage != 3:
-        raise ConfigError(f"zero_optimization.offload_param needs stage 3 (only stage 3 shards "
-                          f"parameters), but stage is {zero.stage}; set stage 3 or "
-                          "offload_param.device 'none'")
+        # DeepSpeed reads offload_param at stage 3 only and ignores it below: so does zeroengine
+        notice("zero_optimization.offload_param", f"no effect at stage {zero.stage}: only "
+               "stage 3 shards (and so offloads) parameters; DeepSpeed ignores it too")
+        zero.offload_param = OffloadConfig()
     return cfg
 
 

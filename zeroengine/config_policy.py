@@ -97,6 +97,11 @@ NO_EFFECT: dict[str, str] = {
     "gradient_predivide_factor": "gradients are averaged in the reduction itself; the mean is "
                                  "the same",
     "zero_force_ds_cpu_optimizer": "the CPU optimizer is chosen by offload_optimizer",
+    "fp16.opt_level": "an apex AMP setting that DeepSpeed's fp16 mode never read",
+    "bf16.loss_scale": "bf16 needs no loss scaling (older DeepSpeed ignored the key)",
+    "bf16.immediate_grad_update": _INTERNAL,
+    "bf16.check_grad_overflow": "a non-finite gradient is never applied: on_nonfinite decides "
+                                "('raise' by default; 'skip' skips the step as DeepSpeed does)",
     "checkpoint": "checkpoint options are arguments of engine.save_checkpoint()",
     "dataloader_drop_last": "zeroengine does not build data loaders",
     "activation_checkpointing": "it configures deepspeed.checkpointing, which a model run by "
