@@ -23,7 +23,12 @@ def reference_markdown() -> str:
               "logging, profiling or internals is accepted with any value and reported once. "
               "An unknown key close to a known one is refused as a typo, with the suggestion; "
               "an unknown top-level key close to nothing is reported once and ignored, as "
-              "DeepSpeed ignores it.", "",
+              "DeepSpeed ignores it. What DeepSpeed reads leniently is read the same way, each "
+              "said once: booleans written as the strings \"true\"/\"false\", its older "
+              "spellings (the `bfloat16` section, `communication_data_type` \"bfp16\", the "
+              "deprecated `cpu_offload` keys and `stage3_gather_fp16_weights_on_model_save`), "
+              "and `offload_param` below stage 3 (ignored). \"auto\" is resolved from what "
+              "initialize() is given (the value said once) or refused naming what to pass.", "",
               "| key | refused when on: why |", "|---|---|"]
     lines += [f"| `{k}` | {why} |" for k, (why, _) in sorted(REFUSED.items())]
     lines += ["", "| key | accepted, no effect: why |", "|---|---|"]
