@@ -62,10 +62,12 @@ class ZeroEngine:
         self.global_steps = 0
         self.micro_steps = 0
         self._backward_done = False  # engine.backward() ran for the current micro-step
+        self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary()
         self._cast_inputs = torch.float16 if config.fp16.enabled and config.fp16.auto_cast \
             else None
         self.monitor = Monitor.from_config(config, comm.rank)
         self._loss_sum: torch.Tensor | None = None  # this step's micro-step losses (monitor)
+        self._loss_count = 0
         zero = config.zero_optimization
         self.precision = Precision.from_config(config)
         self.offload_optimizer = zero.offload_optimizer.device == "cpu"
@@ -171,11 +173,23 @@ class ZeroEngine:
     forward = __call__
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the current micro-step's step() updates the parameters."""
+        if self._boundary_override is not None:
+            return self._boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """DeepSpeed's: say whether the coming micro-step (its backward and step()) ends an
+        accumulation, instead of counting gradient_accumulation_steps - for a trainer whose last
+        group of an epoch is shorter. None: count again."""
+        self._boundary_override = is_boundary
+        self.reducer.state.boundary_override = is_boundary
+
+    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> None:
         """Backward of one micro-step's loss, averaged over the accumulation steps, so the
-        applied gradient is the mean over ranks and micro-steps (DeepSpeed's semantics)."""
+        applied gradient is the mean over ranks and micro-steps (DeepSpeed's semantics).
+        ``scale_wrt_gas=False`` (DeepSpeed's argument): the caller divided the loss already
+        (the Hugging Face Trainer does)."""
         if self._backward_done:
             raise RuntimeError(
                 f"engine.backward() called twice for micro-step {self.micro_steps + 1} without "
@@ -186,7 +200,8 @@ class ZeroEngine:
         if self.monitor.enabled:  # summed on the device: no host sync per micro-step
             value = loss.detach().float()
             self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
-        factor = self.loss_scale / self.gradient_accumulation_steps
+            self._loss_count += 1
+        factor = self.loss_scale / (self.gradient_accumulation_steps if scale_wrt_gas else 1)
         if factor != 1.0:
             # fp16: scaled in fp32, since loss x 2**16 overflows fp16 itself.
             loss = loss.float() * factor
@@ -227,9 +242,9 @@ class ZeroEngine:
         x = self.global_steps * batch if batch else self.global_steps
         events = [("Train/Samples/lr", float(self.optimizer.param_groups[0]["lr"]), x)]
         if self._loss_sum is not None:
-            loss = self._loss_sum.item() / self.gradient_accumulation_steps
+            loss = self._loss_sum.item() / self._loss_count
             events.insert(0, ("Train/Samples/train_loss", loss, x))
-            self._loss_sum = None
+            self._loss_sum, self._loss_count = None, 0
         if self.config.fp16.enabled:
             events.append(("Train/Samples/loss_scale", float(self.loss_scale), x))
         self.monitor.write(events)

@@ -67,6 +67,9 @@ class ReductionState:
     unreduced: bool = False  # stages 0-1: local gradients not yet reduced
     rescale_pending: bool = False  # stage 1 in place: see GradReducer._prepare_next_reduction
     defer_reduction: bool = False  # engine.no_sync()
+    # engine.set_gradient_accumulation_boundary(): the caller says whether the next backward
+    # ends an accumulation (a trainer's short last group of an epoch); None: count backwards
+    boundary_override: bool | None = None
     scaled_backward: bool = False  # inside engine.backward (fp16 needs the loss scale)
     in_flight: list[Bucket] = field(default_factory=list)  # launched, in launch order
 
@@ -208,7 +211,8 @@ class GradReducer:
             raise RuntimeError("fp16 training needs engine.backward(loss), which applies the "
                                "loss scale; a plain loss.backward() was called")
         st.in_backward = True
-        boundary = (st.backwards_since_step + 1) % self.settings.accumulation_steps == 0 \
+        counted = (st.backwards_since_step + 1) % self.settings.accumulation_steps == 0
+        boundary = (counted if st.boundary_override is None else st.boundary_override) \
             and not st.defer_reduction
         st.reduce_now = self.sharding.gradients or boundary
         st.final = boundary
