@@ -93,7 +93,8 @@ setup(
         "train": ["tqdm", "matplotlib"],  # zeroengine train: progress bar and the loss plot
         "tensorboard": ["tensorboard"],  # zeroengine train also writes TensorBoard scalars
         "ray": ["ray[train]"],  # zeroengine.integrations.ray
-        "hf": ["transformers", "accelerate"],  # HF models and Trainer (tests/test_hf.py)
+        "hf": ["transformers>=5,<6", "accelerate"],  # ZeroTrainer, HF models (tests/test_hf*.py)
+        "lightning": ["lightning>=2.2,<3"],  # ZeroStrategy (tests/test_integration_lightning.py)
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

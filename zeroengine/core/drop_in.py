@@ -158,9 +158,20 @@ class ForwardGuard:
         self.managed = [(name, p) for name, p in module.named_parameters()
                         if id(p) in self.where]
         self.storage = {id(p): p.untyped_storage()._cdata for _, p in self.managed}
+        # The model called inside its own forward (a LightningModule's training_step run as the
+        # forward, calling self(x)) is one forward: the checks run at the outermost call only.
+        self.depth = 0
         self.hook = module.register_forward_pre_hook(EngineHook(self), prepend=True)
+        self.leave_hook = module.register_forward_hook(EngineHook(self._leave),
+                                                       always_call=True)
+
+    def _leave(self, module, args, output) -> None:
+        self.depth = max(0, self.depth - 1)
 
     def __call__(self, module, args):
+        self.depth += 1
+        if self.depth > 1:
+            return
         self.refuse_outer_ddp()
         self.check_parameters()
         if self.check_ranks is not None:
@@ -224,3 +235,4 @@ class ForwardGuard:
 
     def remove(self) -> None:
         self.hook.remove()
+        self.leave_hook.remove()

@@ -112,7 +112,12 @@ class ParamFetcher:
                 self.module_keys[mod] = keys
                 self._hooks.append(mod.register_forward_pre_hook(EngineHook(self._pre_forward)))
                 self._hooks.append(mod.register_forward_hook(EngineHook(self._post_forward)))
-        self._hooks.append(module.register_forward_hook(EngineHook(self._after_root_forward)))
+        self._hooks.append(module.register_forward_hook(EngineHook(self._after_root_forward),
+                                                        always_call=True))
+        self.root = module
+        # the root called inside its own forward (a LightningModule's training_step run as the
+        # forward, calling self(x)): the end-of-forward work waits for the outermost call
+        self._root_depth = 0
         self._running: list[nn.Module] = []  # hooked modules whose forward is running
         for g in groups:
             for p in g.params:
@@ -135,6 +140,8 @@ class ParamFetcher:
 
     # -- module hooks ------------------------------------------------------------------------
     def _pre_forward(self, module, args):
+        if module is self.root:
+            self._root_depth += 1
         self._running.append(module)
         self.acquire(self.module_keys[module])
 
@@ -152,6 +159,9 @@ class ParamFetcher:
                     t.register_hook(lambda grad, keys=keys: self.gather_for_backward(keys))
 
     def _after_root_forward(self, module, args, output):
+        self._root_depth = max(0, self._root_depth - 1)
+        if self._root_depth:
+            return  # a nested call of the root: the outer forward goes on
         self._running.clear()  # a forward that raised inside never ran its post hooks
         self._reached["forward"] = -1
         if not torch.is_grad_enabled():  # no backward follows: drop unused prefetches now

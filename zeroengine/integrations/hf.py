@@ -14,7 +14,7 @@ disagrees with TrainingArguments stops the run before training, naming both.
 How a step runs (the Trainer's loop is untouched; these are its extension points):
 - the Trainer creates its optimizer (or the config's "optimizer" section is built), then
   ``_wrap_model`` builds the engine over the model and that optimizer instead of wrapping the
-  model in DistributedDataParallel; the Trainer then holds ``_EngineModel`` (forward through
+  model in DistributedDataParallel; the Trainer then holds ``EngineModule`` (forward through
   the engine) and an optimizer whose ``step()`` does nothing, because:
 - the accelerator's ``backward`` runs ``engine.backward`` (the Trainer already divided the loss
   by the accumulation steps) and ``engine.step()`` on every micro-batch, with the Trainer's own
@@ -34,9 +34,9 @@ import os
 from typing import Any
 
 import torch
-import torch.nn as nn
 
 from ..config import ConfigError, load_json
+from ._engine_module import EngineModule
 
 try:
     import transformers
@@ -127,25 +127,6 @@ def resolve_training_args(raw: dict, args, num_training_steps: int) -> dict:
 
 
 # -- what the Trainer holds instead of DDP(model) and its optimizer ----------------------------
-class _EngineModel(nn.Module):
-    """The model as the Trainer sees it once the engine exists: forward through the engine
-    (stage 3 gathers, fp16 auto_cast); ``module`` is the user's model, as under DDP."""
-
-    def __init__(self, engine):
-        super().__init__()
-        self.module = engine.module
-        self._engine = [engine]  # in a list: not an attribute nn.Module would register
-
-    def forward(self, *args, **kwargs):
-        return self._engine[0](*args, **kwargs)
-
-    def no_sync(self):
-        return self._engine[0].no_sync()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """The engine cleared its gradients at its own step."""
-
-
 class _StepsInBackward(torch.optim.Optimizer):
     """The optimizer the Trainer calls: the engine's param groups (the Trainer's scheduler
     sets their lr), and a ``step`` that does nothing - the engine stepped at the end of the
@@ -265,7 +246,7 @@ class ZeroTrainer(Trainer):
 
     def _wrap_model(self, model, training: bool = True, dataloader=None):
         if self._zero_engine is not None:
-            return _EngineModel(self._zero_engine) if not isinstance(model, _EngineModel) \
+            return EngineModule(self._zero_engine) if not isinstance(model, EngineModule) \
                 else model
         if not training:
             return model  # evaluate() before train(): plain forward, no engine needed
@@ -280,7 +261,7 @@ class ZeroTrainer(Trainer):
             engine.load_checkpoint(self._zero_resume)
             self._zero_resume = None
         self.optimizer = _StepsInBackward(engine)
-        return _EngineModel(engine)
+        return EngineModule(engine)
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         if self.lr_scheduler is None and self._zero_engine is not None:
