@@ -95,6 +95,7 @@ setup(
         "ray": ["ray[train]"],  # zeroengine.integrations.ray
         "hf": ["transformers>=5,<6", "accelerate"],  # ZeroTrainer, HF models (tests/test_hf*.py)
         "lightning": ["lightning>=2.2,<3"],  # ZeroStrategy (tests/test_integration_lightning.py)
+        "fastai": ["fastai>=2.7,<3", "accelerate"],  # ZeroCallback (tests/test_integration_fastai.py)
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,
