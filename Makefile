@@ -14,8 +14,8 @@ $(STAMP): $(SOURCES)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH) numpy pytest hypothesis ninja psutil
-	# the optional integrations the tests cover: Ray Train, transformers (+ accelerate for its Trainer), Lightning, fastai, TensorBoard
-	$(PY) -m pip install -q $(TORCH) "ray[train]" "transformers>=5,<6" accelerate "lightning>=2.2,<3" "fastai>=2.7,<3" tensorboard
+	# the optional integrations the tests cover: Ray Train, transformers (+ accelerate for its Trainer), Lightning, fastai, Keras 3, TensorBoard
+	$(PY) -m pip install -q $(TORCH) "ray[train]" "transformers>=5,<6" accelerate "lightning>=2.2,<3" "fastai>=2.7,<3" "keras>=3,<4" tensorboard
 	$(PY) -m pip install -q -e . --no-build-isolation
 	touch $(STAMP)
 

@@ -96,6 +96,7 @@ setup(
         "hf": ["transformers>=5,<6", "accelerate"],  # ZeroTrainer, HF models (tests/test_hf*.py)
         "lightning": ["lightning>=2.2,<3"],  # ZeroStrategy (tests/test_integration_lightning.py)
         "fastai": ["fastai>=2.7,<3", "accelerate"],  # ZeroCallback (tests/test_integration_fastai.py)
+        "keras": ["keras>=3,<4"],  # torch backend (tests/test_integration_keras.py)
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,
