@@ -17,7 +17,7 @@ import transformers
 
 from zeroengine.integrations.hf import ZeroTrainer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def main(out_dir: str = "runs/hf_trainer") -> None:
@@ -34,7 +34,7 @@ def main(out_dir: str = "runs/hf_trainer") -> None:
         report_to=[], use_cpu=not torch.cuda.is_available())
     trainer = ZeroTrainer(model=model, args=args, train_dataset=data[:224],
                           eval_dataset=data[224:],
-                          zero_config=os.path.join(ROOT, "configs", "hf_zero3_auto.json"))
+                          zero_config=os.path.join(HERE, "hf_zero3_auto.json"))
     trainer.train()
     print(trainer.evaluate())
     trainer.save_model(os.path.join(out_dir, "final"))  # loads with from_pretrained

@@ -18,6 +18,7 @@ close to nothing is reported once and ignored, as DeepSpeed ignores it.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import difflib
 import json
@@ -455,6 +456,19 @@ def load_json(path: str | os.PathLike) -> dict:
     except json.JSONDecodeError as err:
         raise ConfigError(f"{path} is not valid JSON: {err.msg} at line {err.lineno}, "
                           f"column {err.colno}") from None
+
+
+def config_dict(source, what: str = "config") -> dict:
+    """A config given as a JSON path, a dict or None, as a dict of its own (the caller may
+    change it: the user's dict is left alone). ``what`` names the argument in the error."""
+    if isinstance(source, (str, os.PathLike)):
+        raw = load_json(source)
+    else:
+        raw = copy.deepcopy(source) if source is not None else {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{what}: a JSON object (a path to one, or a dict), got "
+                          f"{type(raw).__name__}")
+    return raw
 
 
 def _deprecated_offload(raw: dict) -> dict:

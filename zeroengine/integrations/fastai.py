@@ -17,12 +17,11 @@ bf16 in the config instead).
 """
 from __future__ import annotations
 
-import copy
 import os
 
 import torch
 
-from ..config import ConfigError, load_json
+from ..config import ConfigError, config_dict
 
 try:
     import fastai
@@ -63,11 +62,7 @@ class ZeroCallback(Callback):
 
     def __init__(self, config: str | os.PathLike | dict | None = None):
         _check_version()
-        raw = load_json(config) if isinstance(config, (str, os.PathLike)) else \
-            copy.deepcopy(config or {})
-        if not isinstance(raw, dict):
-            raise ConfigError("ZeroCallback(config=...): a JSON path or a dict")
-        self.config = raw
+        self.config = config_dict(config, "ZeroCallback(config=...)")
         self.engine = None
         self._cast = None
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ..config import ConfigError, load_json
+from ..config import ConfigError, config_dict
 from ._engine_module import EngineModule
 
 try:
@@ -198,11 +198,7 @@ class ZeroTrainer(Trainer):
 
     def __init__(self, *args, zero_config: str | os.PathLike | dict | None = None, **kwargs):
         _check_version()
-        raw = load_json(zero_config) if isinstance(zero_config, (str, os.PathLike)) else \
-            copy.deepcopy(zero_config or {})
-        if not isinstance(raw, dict):
-            raise ConfigError("ZeroTrainer(zero_config=...): a JSON path or a dict")
-        self._zero_raw = raw
+        self._zero_raw = config_dict(zero_config, "ZeroTrainer(zero_config=...)")
         self._zero_engine = None
         self._zero_config: dict | None = None
         self._zero_resume: str | None = None

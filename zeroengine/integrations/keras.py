@@ -21,12 +21,11 @@ are refused (``global_clipnorm`` becomes the engine's gradient clipping).
 """
 from __future__ import annotations
 
-import copy
 import os
 
 import torch
 
-from ..config import ConfigError
+from ..config import ConfigError, config_dict
 
 try:
     import keras
@@ -87,7 +86,6 @@ def distribute(model, config: str | os.PathLike | dict | None = None):
     """Build the engine under a compiled Keras model; returns the ZeroEngine."""
     _check_version()
     import zeroengine
-    from zeroengine.config import load_json
     if getattr(model, "optimizer", None) is None:
         raise ConfigError("zeroengine.integrations.keras.distribute: compile the model first "
                           "(model.compile(optimizer=..., loss=...))")
@@ -95,8 +93,7 @@ def distribute(model, config: str | os.PathLike | dict | None = None):
     if policy != "float32":
         raise ConfigError(f"Keras dtype policy {policy!r}: the Keras integration trains in "
                           "fp32 for now")
-    raw = load_json(config) if isinstance(config, (str, os.PathLike)) else \
-        copy.deepcopy(config or {})
+    raw = config_dict(config, "distribute(config=...)")
     keras_opt = model.optimizer
     clip = keras_opt.get_config().get("global_clipnorm")
     if clip is not None:

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ..config import ConfigError, load_json
+from ..config import ConfigError, config_dict
 from ._engine_module import EngineModule
 
 try:
@@ -93,8 +93,7 @@ class ZeroStrategy(DDPStrategy):
                  **ddp_kwargs: Any):
         _check_version()
         super().__init__(**ddp_kwargs)
-        raw = load_json(config) if isinstance(config, (str, os.PathLike)) else \
-            copy.deepcopy(config or {})
+        raw = config_dict(config, "ZeroStrategy(config=...)")
         zero = raw.setdefault("zero_optimization", {})
         if stage is not None:
             if "stage" in zero and zero["stage"] != stage:
