@@ -62,7 +62,6 @@ class ZeroEngine:
         self.global_steps = 0
         self.micro_steps = 0
         self._backward_done = False  # engine.backward() ran for the current micro-step
-        self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary()
         self._cast_inputs = torch.float16 if config.fp16.enabled and config.fp16.auto_cast \
             else None
         self.monitor = Monitor.from_config(config, comm.rank)
@@ -174,16 +173,16 @@ class ZeroEngine:
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-step's step() updates the parameters."""
-        if self._boundary_override is not None:
-            return self._boundary_override
+        override = self.reducer.state.boundary_override  # set_gradient_accumulation_boundary
+        if override is not None:
+            return override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
         """DeepSpeed's: say whether the coming micro-step (its backward and step()) ends an
         accumulation, instead of counting gradient_accumulation_steps - for a trainer whose last
         group of an epoch is shorter. None: count again."""
-        self._boundary_override = is_boundary
-        self.reducer.state.boundary_override = is_boundary
+        self.reducer.state.boundary_override = is_boundary  # read by the reducer and step()
 
     def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> None:
         """Backward of one micro-step's loss, averaged over the accumulation steps, so the
