@@ -1,7 +1,8 @@
 """zeroengine against the engines users would otherwise pick, side by side in one run.
 
 Same GPT-like model (byte vocabulary; ~25M parameters, or ~100M with --size 100m), same seed and
-data, world size 2 on CPU with gloo (one thread per rank), AdamW. Variants:
+data, world size 2 on CPU with gloo (one thread per rank), AdamW (or with --optimizer muon torch's
+Muon on the blocks' matrices + AdamW on the rest, for ddp and our rows). Variants:
 
     ddp            torch DistributedDataParallel (the floor: same compute, no sharding)
     zero-opt       torch ZeroRedundancyOptimizer under DDP (stage-1 analogue)
@@ -55,8 +56,12 @@ OURS = ["ze0", "ze1", "ze2", "ze3", "ze2-off", "ze3-off"]
 SAME_SHARDING = {"ze0": ["ddp", "ds0"], "ze1": ["zero-opt", "ds1"],
                  "ze2": ["fsdp2-keep", "ds2"], "ze3": ["fsdp2", "ds3"],
                  "ze2-off": ["ds2-off"], "ze3-off": ["ds3-off"]}
-# --ours-zero travels to the spawned ranks in this variable
+# --ours-zero travels to the spawned ranks in this variable, --optimizer in the next
 OURS_ZERO_ENV = "ZEROENGINE_COMPARE_ZERO"
+OPTIMIZER_ENV = "ZEROENGINE_COMPARE_OPTIMIZER"
+# the variants that can run Muon (torch's Muon takes only 2-D parameters: ZeroRedundancy-
+# Optimizer and DeepSpeed's config path cannot split a model between two optimizers)
+MUON_VARIANTS = ["ddp", "ze0", "ze1", "ze2", "ze3", "ze2-off", "ze3-off"]
 # Parameters, gradients and Adam states in units of parameter count x bytes (ZeRO paper).
 LR = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
 
@@ -130,14 +135,33 @@ def _engine_step(model, engine):
     return step
 
 
+def make_optimizers(model, name: str) -> list:
+    """AdamW over everything, or ("muon") torch's Muon over the blocks' weight matrices and
+    AdamW over the rest (embeddings, norms, biases, head): the usual Muon split."""
+    if name == "adamw":
+        return [torch.optim.AdamW(model.parameters(), **LR)]
+    blocks = {id(p) for p in model.blocks.parameters()}
+    matrices = [p for p in model.parameters() if p.dim() == 2 and id(p) in blocks]
+    chosen = {id(p) for p in matrices}
+    rest = [p for p in model.parameters() if id(p) not in chosen]
+    return [torch.optim.Muon(matrices, lr=0.02, momentum=0.95, weight_decay=0.1),
+            torch.optim.AdamW(rest, **LR)]
+
+
+def optimizer_state_bytes(optimizers) -> int:
+    return sum(v.numel() * v.element_size() for opt in optimizers
+               for state in opt.state.values() for v in state.values() if torch.is_tensor(v))
+
+
 def build(variant: str, precision: str, cfg: GPTConfig, micro: int):
-    """(train_step(tokens, targets) -> loss, roots holding the model states, model)."""
+    """(train_step(tokens, targets) -> loss, roots holding the model states, model).
+    ``train_step.state_bytes()``: the optimizer state this rank holds (where measured)."""
     bf16 = precision == "bf16"
+    optimizer_name = os.environ.get(OPTIMIZER_ENV, "adamw")
     if variant in OURS:
         import zeroengine
         stage, offload = int(variant[2]), variant.endswith("-off")
         config = {"train_micro_batch_size_per_gpu": micro,
-                  "optimizer": {"type": "AdamW", "params": {**LR, "betas": list(LR["betas"])}},
                   "bf16": {"enabled": bf16},
                   "zero_optimization": {"stage": stage,
                                         **({"offload_optimizer": {"device": "cpu"}}
@@ -146,8 +170,11 @@ def build(variant: str, precision: str, cfg: GPTConfig, micro: int):
         torch.manual_seed(0)
         with zeroengine.zero_init(config):  # stage 3: built sharded (else a no-op)
             model = GPT(cfg)
-        engine = zeroengine.initialize(model, config)
-        return _engine_step(model, engine), [engine], model
+        engine = zeroengine.initialize(model, config,
+                                       optimizer=make_optimizers(model, optimizer_name))
+        step = _engine_step(model, engine)
+        step.state_bytes = engine.optimizer.state_nbytes
+        return step, [engine], model
 
     torch.manual_seed(0)
     model = GPT(cfg)
@@ -194,8 +221,9 @@ def build(variant: str, precision: str, cfg: GPTConfig, micro: int):
         from torch.distributed.optim import ZeroRedundancyOptimizer
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
                                       **LR)
+        opts = [opt]
     elif variant == "ddp":
-        opt = torch.optim.AdamW(model.parameters(), **LR)
+        opts = make_optimizers(model, optimizer_name)
     else:
         raise ValueError(f"unknown variant {variant!r}")
 
@@ -205,10 +233,13 @@ def build(variant: str, precision: str, cfg: GPTConfig, micro: int):
         loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
                                                  targets.reshape(-1))
         loss.backward()
-        opt.step()
-        opt.zero_grad()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
         return loss
-    return step, [wrapped, opt], model
+    if variant == "ddp":
+        step.state_bytes = lambda: optimizer_state_bytes(opts)
+    return step, [wrapped, *opts], model
 
 
 def run_variant(variant: str, precision: str, size: str, steps: int, warmup: int,
@@ -244,6 +275,8 @@ def run_variant(variant: str, precision: str, size: str, steps: int, warmup: int
            "last_loss": losses[-1]}
     if variant in OURS:
         out["memory_report"] = roots[0].memory_report()
+    if hasattr(train_step, "state_bytes"):
+        out["optimizer_state_bytes"] = train_step.state_bytes()
     del model
     return out
 
@@ -279,18 +312,24 @@ def main() -> None:
                     "matmuls are ~7x slower than fp32 on CPUs without AVX512-BF16")
     ap.add_argument("--variants", default=None, help="comma list (default: all that import)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
+                    help="muon: torch's Muon on the blocks' matrices + AdamW on the rest, for "
+                    "the variants that can split a model between two optimizers (ddp, ze*)")
     ap.add_argument("--ours-zero", default=None, help="JSON merged into our rows' "
                     "zero_optimization, e.g. '{\"stage3_prefetch_bucket_size\": 5000000}'")
     args = ap.parse_args()
     if args.ours_zero:
         json.loads(args.ours_zero)  # refuse bad JSON here, not in every rank
         os.environ[OURS_ZERO_ENV] = args.ours_zero
+    os.environ[OPTIMIZER_ENV] = args.optimizer
     have_ds = importlib.util.find_spec("deepspeed") is not None
     if not have_ds:
         print("deepspeed is not importable: its rows are left out "
               "(pip install 'zeroengine[bench]'; DS_ACCELERATOR=cpu)", file=sys.stderr)
     variants = args.variants.split(",") if args.variants else \
         [v for v in PEERS + OURS if have_ds or not v in DEEPSPEED]
+    if args.optimizer == "muon":
+        variants = [v for v in variants if v in MUON_VARIANTS]
     # bf16: the rows the targets name (offload and ZeroRedundancyOptimizer in fp32 only, unless
     # asked for by --variants)
     jobs = [(v, p) for p in args.precision.split(",") for v in variants
@@ -333,6 +372,8 @@ def summarise(runs, args) -> list[dict]:
                                                        for rep in reps),
                "params": r0["params"], "first_loss": r0["first_loss"],
                "last_loss": r0["last_loss"]}
+        if "optimizer_state_bytes" in r0:
+            row["optimizer_state_bytes"] = max(x["optimizer_state_bytes"] for x in reps[0])
         if "memory_report" in r0:
             row["memory_report_total"] = max(x["memory_report"]["total"] for x in reps[0])
             row["formula_bytes"] = zero_formula_bytes(r0["params"], v, p, args.world)
@@ -355,13 +396,15 @@ def print_table(rows: list[dict], args) -> None:
     mb = 2**20
     r0 = rows[0]
     print(f"\nGPT {r0['params'] / 1e6:.1f}M params ({args.size}), world size {args.world}, "
-          f"micro batch {args.micro}x{SIZES[args.size].context}, AdamW, gloo, 1 thread/rank; "
+          f"micro batch {args.micro}x{SIZES[args.size].context}, "
+          f"{'Muon + AdamW' if args.optimizer == 'muon' else 'AdamW'}, gloo, 1 thread/rank; "
           f"median of {args.repeats} interleaved repeats x {args.steps} steps "
           f"(after {args.warmup} warm-up)\n")
     print("| variant | prec | step (s) | vs DDP | vs same-sharding peer | peak RSS/rank (MB) "
           "| RSS rise (MB) | vs DDP rise | model states/rank (MB) | vs ZeRO formula "
+          "| optimizer state/rank (MB) | vs DDP "
           "| sent/rank/step (MB) | vs paper | loss first -> last |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ddp_rise = next((x["rss_rise"] for x in rows if x["variant"] == "ddp"
                          and x["precision"] == r["precision"]), None)
@@ -370,9 +413,15 @@ def print_table(rows: list[dict], args) -> None:
                    if r.get("formula_bytes") else "")
         vs_ddp = f"{r['vs_ddp']:.2f}x" if r["vs_ddp"] else ""
         rise = f"{r['rss_rise'] / ddp_rise:.2f}x" if ddp_rise else ""
+        ddp_state = next((x.get("optimizer_state_bytes") for x in rows if x["variant"] == "ddp"
+                          and x["precision"] == r["precision"]), None)
+        state = r.get("optimizer_state_bytes")
+        state_cells = [f"{state / mb:.1f}" if state is not None else "",
+                       f"{state / ddp_state:.2f}x" if state is not None and ddp_state else ""]
         cells = [r["variant"], r["precision"], f"{r['step_s']:.3f}", vs_ddp, peer,
                  f"{r['peak_rss'] / mb:.0f}", f"{r['rss_rise'] / mb:.0f}", rise,
-                 f"{r['held_bytes'] / mb:.0f}", formula, f"{r['sent_per_rank_step'] / mb:.1f}",
+                 f"{r['held_bytes'] / mb:.0f}", formula, *state_cells,
+                 f"{r['sent_per_rank_step'] / mb:.1f}",
                  f"{r['sent_per_rank_step'] / r['paper_volume']:.2f}",
                  f"{r['first_loss']:.4f} -> {r['last_loss']:.4f}"]
         print("| " + " | ".join(cells) + " |")

@@ -2,6 +2,7 @@
 single-process plain-PyTorch reference training loop the engine is compared against."""
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -58,11 +59,51 @@ def param_groups(model, lr=0.01):
 
 
 def make_optimizer(name: str, params, lr=0.01):
+    """The named optimizer over ``params`` (param_groups' two groups); "muon" is a list:
+    torch's Muon on the matrices, AdamW on the rest (Muon takes only 2-D parameters)."""
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95))
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    if name == "adafactor":
+        return torch.optim.Adafactor(params, lr=lr)
+    if name == "lamb":
+        from zeroengine.ops import Lamb
+        return Lamb(params, lr=lr, weight_decay=0.01)
+    if name == "muon":
+        groups = [g for g in params if isinstance(g, dict)] or [{"params": list(params)}]
+        matrices = [dict(g, params=[p for p in g["params"] if p.dim() == 2]) for g in groups]
+        rest = [dict(g, params=[p for p in g["params"] if p.dim() != 2]) for g in groups]
+        return [torch.optim.Muon([g for g in matrices if g["params"]], lr=lr * 2),
+                torch.optim.AdamW([g for g in rest if g["params"]], lr=lr)]
     raise ValueError(name)
+
+
+def fp32_newton_schulz(grad, ns_coefficients, ns_steps, eps):
+    """Muon's orthogonalisation (quintic Newton-Schulz) in fp32. torch's runs it in bf16, where
+    the last-bit differences of any two summation orders of the same gradient (a DDP run vs a
+    single process, or two stages) grow to ~1e-3; exactness tests swap this one in."""
+    a, b, c = ns_coefficients
+    x = grad.float()
+    tall = x.size(0) > x.size(1)
+    x = x.T if tall else x
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if tall else x
+
+
+@contextlib.contextmanager
+def fp32_muon():
+    """torch's Muon with fp32_newton_schulz inside, until the block ends."""
+    import torch.optim._muon as muon
+    stock = muon._zeropower_via_newtonschulz
+    muon._zeropower_via_newtonschulz = fp32_newton_schulz
+    try:
+        yield
+    finally:
+        muon._zeropower_via_newtonschulz = stock
 
 
 def reference_train(optimizer_name: str, world_size: int, steps: int, accumulation: int,
@@ -70,15 +111,17 @@ def reference_train(optimizer_name: str, world_size: int, steps: int, accumulati
     """Plain single-process training on the same global batches: per step, the gradient is the
     mean over all ranks' and micro-steps' batches."""
     model = make_model(seed)
-    opt = make_optimizer(optimizer_name, param_groups(model))
-    sched = torch.optim.lr_scheduler.StepLR(opt, 1, lr_gamma) if lr_gamma else None
+    made = make_optimizer(optimizer_name, param_groups(model))
+    opts = made if isinstance(made, list) else [made]
+    scheds = [torch.optim.lr_scheduler.StepLR(o, 1, lr_gamma) for o in opts] if lr_gamma else []
     # A parameter that gets no gradient counts as a zero gradient (as in DeepSpeed), not as
     # "skip this parameter" (torch's meaning of grad None): give every trainable one a tensor.
     for p in model.parameters():
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
     for step in range(steps):
-        opt.zero_grad(set_to_none=False)
+        for opt in opts:
+            opt.zero_grad(set_to_none=False)
         for micro in range(accumulation):
             for rank in range(world_size):
                 tokens, targets = batch(step, micro, rank)
@@ -87,8 +130,9 @@ def reference_train(optimizer_name: str, world_size: int, steps: int, accumulati
         if clip > 0:
             torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
                                            clip)
-        opt.step()
-        if sched is not None:
+        for opt in opts:
+            opt.step()
+        for sched in scheds:
             sched.step()
     return {k: v.detach().clone().float() for k, v in model.state_dict().items()}
 

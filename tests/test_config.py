@@ -220,7 +220,7 @@ def test_optimizer_auto_params_take_the_trainers_defaults(notices):
 
 @pytest.mark.parametrize("section,fragment", [
     ({"type": "Adamm"}, "not a torch.optim optimizer; use one of"),
-    ({"type": "Lamb"}, "trust ratio"),
+    ({"type": "OneBitLamb"}, "1-bit LAMB compresses communication"),
     ({"type": "LBFGS"}, "cannot be sharded"),
     ({"type": "AdamW", "params": {"betass": [0.9, 0.99]}}, "optimizer.params.betass is not an "
                                                            "argument of AdamW"),

@@ -1,4 +1,4 @@
-"""zeroengine: ZeRO-style sharding of model states for any nn.Module and elementwise optimizer.
+"""zeroengine: ZeRO-style sharding of model states for any nn.Module and torch optimizer.
 
     engine = zeroengine.initialize(model, "config.json")
     for batch in data:
@@ -19,7 +19,9 @@ from .config_policy import notice
 from .core.drop_in import install as _install_drop_in
 from .core.engine import ZeroEngine
 from .core.gathered import gathered_parameters
-from .core.optimizer_factory import check_elementwise, optimizer_from_config
+from .core.optimizer_chain import OptimizerChain
+from .core.optimizer_factory import optimizer_from_config
+from .core.optimizer_kind import OptimizerKindError, declare_optimizer, optimizer_kind
 from .core.schedulers import scheduler_from_config
 from .core.sharding import Sharding
 from .core.zero_init import zero_init
@@ -28,7 +30,8 @@ from .dist.consistency import RankMismatchError, check_rank_consistency
 
 _install_drop_in()  # torch.nn.utils.clip_grad_norm_ learns the engine's sharded gradients
 __all__ = ["initialize", "init_distributed", "gathered_parameters", "zero_init", "ZeroEngine",
-           "ConfigError", "Config", "parse_config", "RankMismatchError", "__version__"]
+           "ConfigError", "Config", "parse_config", "RankMismatchError", "declare_optimizer",
+           "OptimizerChain", "OptimizerKindError", "__version__"]
 
 
 def _passed_and_configured(section: str, what: str, passed, configured) -> None:
@@ -59,10 +62,23 @@ def _prepare_optimizer(model: nn.Module, cfg: Config, optimizer) -> torch.optim.
                               "or add an 'optimizer' section to the config, e.g. "
                               '{"type": "AdamW", "params": {"lr": 1e-3}}')
         return optimizer_from_config(cfg.optimizer, model.parameters())
+    if isinstance(optimizer, (list, tuple)):  # e.g. [Muon(matrices), AdamW(the rest)]
+        optimizer = OptimizerChain(list(optimizer)) if len(optimizer) != 1 else optimizer[0]
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer (or a list of them), got "
                         f"{type(optimizer).__name__}")
-    check_elementwise(type(optimizer))
+    members = optimizer.member_of_group() if isinstance(optimizer, OptimizerChain) \
+        else [optimizer] * len(optimizer.param_groups)
+    for member, group in zip(members, optimizer.param_groups):
+        optimizer_kind(member, group)  # refuses, by name, what cannot be sharded
+    seen: dict[int, int] = {}
+    for gi, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) in seen:
+                raise ValueError(f"a parameter of shape {tuple(p.shape)} is in param group "
+                                 f"{seen[id(p)]} and {gi} (of the optimizers given): each "
+                                 "parameter must be stepped by exactly one optimizer")
+            seen[id(p)] = gi
     names = {id(p): n for n, p in model.named_parameters()}
     in_optimizer = set()
     for gi, group in enumerate(optimizer.param_groups):
@@ -89,7 +105,10 @@ def initialize(model: nn.Module, config, optimizer: torch.optim.Optimizer | None
 
     ``config``: path to a JSON file, a dict, or a parsed Config. ``optimizer``: one built over
     ``model.parameters()`` (its class and hyperparameters are kept, its state re-created on the
-    shards), or None to build the config's. ``lr_scheduler``: a torch scheduler over that
+    shards), a list of them over disjoint parameters (e.g. ``[Muon(matrices), AdamW(rest)]``),
+    or None to build the config's. Elementwise optimizers step flat shards; tensor-wise ones
+    (Muon, Adafactor, LAMB, ...) step whole parameters, each on one rank (optimizer_kind.py).
+    ``lr_scheduler``: a torch scheduler over that
     optimizer, or None to build the config's "scheduler" (if any).
     """
     if not isinstance(model, nn.Module):

@@ -207,8 +207,10 @@ class WandbConfig:
 
 @dataclass
 class OptimizerConfig:
-    type: str = option("AdamW", "Adam, AdamW, SGD, or the name of any elementwise torch.optim "
-                       "optimizer (Adagrad, RMSprop, NAdam, ...). 'Adam' and 'AdamW' follow "
+    type: str = option("AdamW", "Adam, AdamW, SGD, Lamb (zeroengine's, DeepSpeed's keys), or "
+                       "the name of any torch.optim optimizer: elementwise ones (Adagrad, "
+                       "RMSprop, NAdam, ...) step flat shards, tensor-wise ones (Adafactor; "
+                       "Lamb) whole parameters on their owner rank. 'Adam' and 'AdamW' follow "
                        "DeepSpeed: weight_decay 0.0 unless given, decoupled unless "
                        "params.adam_w_mode is false; params.bias_correction false runs "
                        "zeroengine's Adam without the moments' bias correction; torch_adam is "
@@ -278,8 +280,8 @@ class Config:
                        "run name (not a DeepSpeed key; initialize() ignores it). Its keys are "
                        "checked by the job itself: see docs/job.md.")
     zero_allow_untested_optimizer: bool = option(True, "DeepSpeed's guard for client "
-                                                 "optimizers.", no_effect="every elementwise "
-                                                 "optimizer is supported")
+                                                 "optimizers.", no_effect="every optimizer is "
+                                                 "supported (tensor-wise ones are probed)")
 
 
 # -- parsing ---------------------------------------------------------------------------------

@@ -210,6 +210,7 @@ class ShardReader:
         self.dir = ckpt_dir
         self.meta = meta
         self._open: dict[int, object] = {}
+        self._names: dict[int, list[str]] = {}
 
     def _file(self, rank: int):
         handle = self._open.get(rank)
@@ -239,6 +240,15 @@ class ShardReader:
                 path = os.path.join(self.dir, rank_file(piece.rank, "safetensors"))
                 raise CheckpointError(f"{path} has no readable tensor {name!r}: {err}") from None
             out[piece.out_offset:piece.out_offset + piece.numel].copy_(source)
+
+    def tensors_with_prefix(self, rank: int, prefix: str) -> dict[str, torch.Tensor]:
+        """Every tensor of ``rank``'s file whose name starts with ``prefix``, by the rest of
+        its name (tensor-wise optimizer state: one parameter's keys)."""
+        handle = self._file(rank)
+        names = self._names.get(rank)
+        if names is None:
+            names = self._names[rank] = sorted(handle.keys())
+        return {n[len(prefix):]: handle.get_tensor(n) for n in names if n.startswith(prefix)}
 
     def full_parameter(self, name: str, key: str = "master") -> torch.Tensor:
         """One parameter's whole saved value (fp32), by name."""

@@ -105,7 +105,12 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None,
     for gi, fg in enumerate(engine.flat_groups):
         if fg.layout.world_size == 1 and comm.rank != 0:
             continue  # stage 0: one owner, rank 0 writes for all
-        elementwise, scalars = engine.optimizer.shard_state(fg)
+        owned = engine.optimizer.owned.get(gi)
+        if owned is None:
+            elementwise, scalars = engine.optimizer.shard_state(fg)
+        else:  # tensor-wise: each owner saves its parameters' whole state, by name
+            elementwise, scalars = {}, {}
+            tensors.update(_owned_state_tensors(engine, gi, fg, names))
         tensors[f"{gi}.master"] = fg.master_shard()
         for key, value in elementwise.items():
             tensors[f"{gi}.state.{key}"] = value
@@ -115,7 +120,9 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None,
             "params": [[names[id(p)], list(slot.shape), slot.offset]
                        for p, slot in zip(fg.params, fg.layout.slots)],
             "segments": [[s.start, s.numel, s.shard_offset] for s in fg.layout.segments],
-            "state_keys": sorted(elementwise), "scalar_state": _jsonable(scalars)})
+            "state_keys": sorted(elementwise), "scalar_state": _jsonable(scalars),
+            # tensor-wise: the rank file holding each parameter's whole optimizer state
+            "owners": None if owned is None else list(owned.partition.owner)})
     st_path = os.path.join(tmp, fmt.rank_file(comm.rank, "safetensors"))
     save_file(tensors, st_path)
     extras = {"rng": _rng_state()}
@@ -145,6 +152,24 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None,
         fmt.publish_dir(tmp, final)
     comm.barrier()
     return final
+
+
+def _owned_state_tensors(engine, gi: int, fg, names) -> dict[str, torch.Tensor]:
+    """``<gi>.pstate.<param name>.<key>``: the state tensors of the parameters this rank owns;
+    plain numbers (a step count) as 0-d tensors under ``<gi>.pscalar.<name>.<key>``."""
+    out = {}
+    for i, state in engine.optimizer.owned_state(gi).items():
+        name = names[id(fg.params[i])]
+        for key, value in state.items():
+            if torch.is_tensor(value):
+                out[f"{gi}.pstate.{name}.{key}"] = value.detach().cpu().contiguous()
+            elif isinstance(value, (bool, int, float)):
+                out[f"{gi}.pscalar.{name}.{key}"] = torch.tensor(value)
+            else:
+                raise CheckpointError(
+                    f"optimizer state {key!r} of {name!r} is a {type(value).__name__}; "
+                    "checkpoints hold tensors and numbers only")
+    return out
 
 
 def _gather_digests(comm, hexes: list[str]) -> list[list[str]]:
@@ -185,7 +210,7 @@ def _meta(engine, names, groups_meta, files, tag) -> dict:
         "optimizer_steps": opt.steps, "skipped_steps": opt.skipped_steps,
         "loss_scaler": _jsonable(scaler.state_dict()) if scaler is not None else None,
         "optimizer": {"class": opt.base_class.__name__,
-                      "inner_class": type(opt.inner).__name__,
+                      "inner_class": opt.inner_name,
                       "param_groups": [_jsonable({k: v for k, v in g.items() if k != "params"})
                                        for g in opt.param_groups]},
         "groups": groups_meta, "index": index, "state_dict_keys": state_dict_keys,
@@ -222,8 +247,10 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, *,
     load_states = load_optimizer_states and not load_module_only
     if load_states:
         _check_optimizer_compatible(engine, meta, path)
-    for fg in engine.flat_groups:
+    for fi, fg in enumerate(engine.flat_groups):
         _load_group(engine, fg, names, meta, reader, load_states, path)
+        if load_states and fi in engine.optimizer.owned:
+            _load_owned_state(engine, fi, fg, names, meta, reader, path)
     engine.optimizer.republish()
     extras = fmt.load_extras(fmt.verify(path, fmt.rank_file(0, "pt"), meta))
     _load_module_rest(engine, extras.get("module_rest", {}), path)
@@ -254,8 +281,10 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, *,
 
 def _check_optimizer_compatible(engine, meta: dict, path: str) -> None:
     saved = meta["optimizer"]["inner_class"]
-    current = type(engine.optimizer.inner).__name__
-    if _SAME_STATE.get(saved, saved) != _SAME_STATE.get(current, current):
+    current = engine.optimizer.inner_name
+    def same(names: str) -> list[str]:  # "Muon+AdamW": one inner optimizer per part
+        return [_SAME_STATE.get(n, n) for n in names.split("+")]
+    if same(saved) != same(current):
         raise CheckpointError(
             f"{os.path.join(path, fmt.META)} holds {saved} optimizer state but this engine's "
             f"optimizer is {current}; use the same optimizer, or load_checkpoint(..., "
@@ -297,6 +326,28 @@ def _load_group(engine, fg, names, meta, reader, load_states: bool, path: str) -
             reader.read(gi, f"state.{key}", offset + piece.param_offset, piece.numel,
                         piece.of_shard(shards[key]))
     engine.optimizer.load_shard_state(fg, shards, scalars)
+
+
+def _load_owned_state(engine, fi: int, fg, names, meta, reader, path: str) -> None:
+    """A tensor-wise group: the whole state of each parameter this rank now owns, from the
+    file of the rank that owned it when saved (any world size or stage)."""
+    states = {}
+    for i in engine.optimizer.owned[fi].names:
+        name = names[id(fg.params[i])]
+        gi, entry = meta["index"][name]
+        owners = meta["groups"][gi].get("owners")
+        if owners is None:
+            raise CheckpointError(f"{os.path.join(path, fmt.META)} saved {name!r} with a flat "
+                                  "(elementwise) optimizer state; this engine's optimizer "
+                                  "steps it whole. Load with load_optimizer_states=False")
+        state = {}
+        for kind in ("pstate", "pscalar"):
+            prefix = f"{gi}.{kind}.{name}."
+            for key, value in reader.tensors_with_prefix(owners[entry], prefix).items():
+                state[key] = value if kind == "pstate" else value.item()
+        if state:
+            states[i] = state
+    engine.optimizer.load_owned_state(fi, states)
 
 
 def _load_module_rest(engine, rest: dict, path: str) -> None:

@@ -23,6 +23,8 @@ import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad as _clip_module
 
+from .optimizer_chain import OptimizerChain
+
 # id(parameter) -> the ShardedOptimizer stepping it; filled by the engine, emptied by close().
 _OPTIMIZER_OF: dict[int, object] = {}
 
@@ -37,14 +39,23 @@ def unregister_parameters(params) -> None:
         _OPTIMIZER_OF.pop(id(p), None)
 
 
-def redirect_optimizer(user_optimizer: torch.optim.Optimizer, sharded) -> None:
-    """Make the object the user built (and still holds) act as the engine's optimizer."""
+def redirect_optimizer(user_optimizer: torch.optim.Optimizer, sharded,
+                       chained: bool = False) -> None:
+    """Make the object the user built (and still holds) act as the engine's optimizer.
+    ``chained``: one of several optimizers the engine steps as one (OptimizerChain); a loop
+    calls step() on each, and only the first call after a backward steps the engine."""
     if user_optimizer is sharded:
+        return
+    if isinstance(user_optimizer, OptimizerChain):
+        for member in user_optimizer.optimizers:
+            redirect_optimizer(member, sharded, chained=True)
         return
 
     @functools.wraps(sharded.step)
     def step(closure=None):
         user_optimizer._opt_called = True  # torch lr schedulers built on this object check it
+        if chained and sharded.stepped_at_backward == sharded.reducer.backward_count:
+            return None  # another of the chained optimizers stepped these gradients
         return sharded.step(closure)
 
     step._wrapped_by_lr_sched = True

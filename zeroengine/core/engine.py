@@ -123,7 +123,11 @@ class ZeroEngine:
             check_ranks=self.fetcher.check_forward_start
             if self.fetcher is not None and self.fetcher.check_ranks else None)
         self.lr_scheduler = lr_scheduler
-        if lr_scheduler is not None and hasattr(lr_scheduler, "optimizer"):
+        # a scheduler over the optimizer given now drives the engine's (the same group dicts);
+        # one over a member of a list given keeps driving just that member's groups
+        members = getattr(optimizer, "optimizers", ())
+        if lr_scheduler is not None and hasattr(lr_scheduler, "optimizer") and \
+                not any(lr_scheduler.optimizer is m for m in members):
             lr_scheduler.optimizer = self.optimizer
 
     def _managed_params(self) -> list[torch.nn.Parameter]:

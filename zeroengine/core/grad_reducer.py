@@ -134,6 +134,7 @@ class GradReducer:
             else None
             for g in groups]
         self.state = ReductionState(owned_valid=[False] * len(groups))
+        self.backward_count = 0  # backwards ever finished (never reset)
         self._hooks = []
         for g in groups:
             for p in g.params:
@@ -247,6 +248,7 @@ class GradReducer:
         for b in self.buckets:
             b.ready.clear()
         st.backwards_since_step += 1
+        self.backward_count += 1
         st.in_backward = False
         if self.fetcher is not None:
             self.fetcher.end_of_pass()

@@ -1,6 +1,5 @@
-"""Build a torch optimizer from the config's "optimizer" section, and decide whether an optimizer
-can be sharded: only *elementwise* optimizers (each element's update depends on that element's
-gradient and state alone) give the same result on a flat shard as on whole tensors."""
+"""Build a torch optimizer from the config's "optimizer" section, and the inner optimizers the
+sharded step runs (the user's class and hyperparameters over the rank's shards)."""
 from __future__ import annotations
 
 import inspect
@@ -9,18 +8,11 @@ import json
 import torch
 
 from ..config import AUTO, ConfigError, OptimizerConfig
-from ..ops import CPUAdam, FusedAdam, load_cuda_kernels
+from ..ops import CPUAdam, FusedAdam, Lamb, load_cuda_kernels
+from .optimizer_kind import check_class
 
-# Updates that look at whole tensors (norms, factored second moments, line searches, sparse rows).
-NON_ELEMENTWISE = {
-    "LBFGS": "it runs a line search over the whole parameter vector",
-    "SparseAdam": "it needs sparse gradients",
-    "Adafactor": "it factors the second moment by rows and columns of each tensor",
-    "Muon": "it orthogonalises each weight matrix as a whole",
-}
 # DeepSpeed optimizer names that torch does not provide.
 NOT_IN_TORCH = {
-    "lamb": "LAMB scales each tensor by its own trust ratio (not elementwise)",
     "onebitadam": "1-bit Adam compresses communication, which zeroengine does not do",
     "zerooneadam": "0/1 Adam compresses communication, which zeroengine does not do",
     "onebitlamb": "1-bit LAMB compresses communication, which zeroengine does not do",
@@ -40,16 +32,10 @@ HF_AUTO_DEFAULTS = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
 IMPLEMENTATION_KEYS = ("params", "foreach", "fused", "capturable")
 
 
-def check_elementwise(optimizer_cls: type) -> None:
-    for klass in optimizer_cls.__mro__:
-        if klass.__name__ in NON_ELEMENTWISE and klass.__module__.startswith("torch.optim"):
-            raise TypeError(f"{optimizer_cls.__name__} cannot be sharded by zeroengine: "
-                            f"{NON_ELEMENTWISE[klass.__name__]}. Use an elementwise optimizer "
-                            "(AdamW, Adam, SGD, Adagrad, RMSprop, ...)")
-
-
 def _torch_optimizer_class(name: str) -> type:
     key = name.lower()
+    if key == "lamb":  # DeepSpeed's Lamb: zeroengine's own (torch has none)
+        return Lamb
     if key in NOT_IN_TORCH:
         raise ConfigError(f"optimizer.type {name!r} is not supported: {NOT_IN_TORCH[key]}")
     for attr in dir(torch.optim):
@@ -59,7 +45,7 @@ def _torch_optimizer_class(name: str) -> type:
             return cls
     known = sorted(a for a in dir(torch.optim) if isinstance(getattr(torch.optim, a), type)
                    and issubclass(getattr(torch.optim, a), torch.optim.Optimizer)
-                   and a != "Optimizer" and a not in NON_ELEMENTWISE)
+                   and a != "Optimizer" and a not in ("LBFGS", "SparseAdam"))
     raise ConfigError(f"optimizer.type {name!r} is not a torch.optim optimizer; use one of "
                       f"{', '.join(known)}")
 
@@ -85,7 +71,7 @@ def optimizer_from_config(cfg: OptimizerConfig, params) -> torch.optim.Optimizer
             cls = CPUAdam
             kwargs.update(adamw_mode=adamw, bias_correction=False)
     cls = cls or _torch_optimizer_class(name)
-    check_elementwise(cls)
+    check_class(cls)
     signature = inspect.signature(cls.__init__)
     for key, value in list(kwargs.items()):
         if key not in signature.parameters:
@@ -99,7 +85,11 @@ def optimizer_from_config(cfg: OptimizerConfig, params) -> torch.optim.Optimizer
     try:
         return cls(params, **kwargs)
     except (TypeError, ValueError) as err:
-        raise ConfigError(f"optimizer {cls.__name__} refused its params: {err}") from None
+        hint = ""
+        if cls.__name__ == "Muon":
+            hint = ("; Muon takes only the 2-D weight matrices: build it in code, e.g. "
+                    "initialize(model, config, optimizer=[Muon(matrices), AdamW(the rest)])")
+        raise ConfigError(f"optimizer {cls.__name__} refused its params: {err}{hint}") from None
 
 
 def _deepspeed_adam(kwargs: dict) -> dict:

@@ -25,8 +25,16 @@ from ..dist.handles import Handle
 from ..ops import CPUAdam, FusedAdam
 from .flat_param_group import FlatParamGroup
 from .grad_reducer import GradReducer
-from .optimizer_factory import IMPLEMENTATION_KEYS, build_device_inner, build_host_inner
+from .optimizer_chain import OptimizerChain
+from .optimizer_factory import (
+    IMPLEMENTATION_KEYS,
+    build_device_inner,
+    build_host_inner,
+    build_inner,
+)
+from .optimizer_kind import TENSORWISE, optimizer_kind
 from .optimizer_offload import OptimizerOffload
+from .owner_step import OwnedParams
 from .precision import LossScaler
 from .sharding import Sharding
 
@@ -44,6 +52,17 @@ class StepSettings:
     allgather_bucket_numel: int  # zero_optimization.allgather_bucket_size
     sub_group_numel: int  # zero_optimization.sub_group_size
     on_nonfinite: str  # without a loss scaler: "raise" or "skip"
+
+
+@dataclass
+class InnerPart:
+    """One inner optimizer: the user's class (or CPUAdam/FusedAdam in its place) over the flat
+    groups of one user optimizer that share one kind of update."""
+    optimizer: torch.optim.Optimizer
+    kind: str  # optimizer_kind.ELEMENTWISE or TENSORWISE
+    flat_groups: tuple[int, ...]  # indices into ShardedOptimizer.flat_groups
+    copy_out: bool = False  # CPUAdam writing the low-precision copy in its pass (offload)
+    fused: bool = False  # FusedAdam taking reduced gradients as they are (CUDA)
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -75,25 +94,71 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.param_names = param_names or {}  # id(param) -> name, for messages
         self.skipped_steps = 0
         self.steps = 0
-        self.sub_groups = self._plan_sub_groups(settings.sub_group_numel)
+        self.stepped_at_backward = -1  # reducer.backward_count at the last step
         # torch.nn.utils.clip_grad_norm_ called by the user's loop: (max_norm, norm, backward
         # passes seen then), applied by the next step (see drop_in.py)
         self._user_clip: tuple[float, float, int] | None = None
-        inner_groups = []
+        self.parts: list[InnerPart] = []
+        self.owned: dict[int, OwnedParams] = {}  # flat group index -> its owners' view
+        self._part_of: dict[int, int] = {}  # flat group index -> index into self.parts
+        self._build_inner(base)
+        self.sub_groups = self._plan_sub_groups(settings.sub_group_numel)
+
+    def _build_inner(self, base: torch.optim.Optimizer) -> None:
+        """One inner optimizer per (user optimizer, kind of update), over the rank's master
+        chunks (elementwise) or the whole parameters it owns (tensorwise), chained so that
+        ``self.inner`` reads like one optimizer (state, state_dict, param_groups)."""
+        members = base.member_of_group() if isinstance(base, OptimizerChain) \
+            else [base] * len(self.param_groups)
+        kinds = [optimizer_kind(members[gi], group) for gi, group in enumerate(self.param_groups)]
+        plan: dict[tuple[int, str], list[int]] = {}
+        for fi, fg in enumerate(self.flat_groups):
+            gi = fg.group_index
+            plan.setdefault((id(members[gi]), kinds[gi]), []).append(fi)
+        member_by_id = {id(m): m for m in members}
         self._inner_of_outer: list[list[int]] = [[] for _ in self.param_groups]
-        for fg in flat_groups:
-            hyper = {k: v for k, v in self.param_groups[fg.group_index].items()
-                     if k not in IMPLEMENTATION_KEYS}
-            self._inner_of_outer[fg.group_index].append(len(inner_groups))
-            inner_groups.append({"params": list(fg.master_segments), **hyper})
-        device = flat_groups[0].device if flat_groups else torch.device("cpu")
-        self.inner = build_device_inner(base, inner_groups, torch.device(device)) \
-            if offload is None else build_host_inner(base, inner_groups)
-        # CPUAdam writes the bf16/fp16 copy of what it updates in the same pass
-        self._copy_out = offload is not None and isinstance(self.inner, CPUAdam)
-        # FusedAdam (CUDA) also takes the gradient as it is (bf16, scaled) with the unscale /
-        # clip coefficient, so no fp32 copy or scaling pass precedes it
-        self._fused = offload is None and isinstance(self.inner, FusedAdam)
+        inner_index = 0
+        for (member_id, kind), flat_indices in plan.items():
+            member = member_by_id[member_id]
+            groups = []
+            for fi in flat_indices:
+                fg = self.flat_groups[fi]
+                hyper = {k: v for k, v in self.param_groups[fg.group_index].items()
+                         if k not in IMPLEMENTATION_KEYS}
+                if kind == TENSORWISE:
+                    owned = self.owned[fi] = OwnedParams(fg, self.comm)
+                    params = owned.params
+                else:
+                    params = list(fg.master_segments)
+                groups.append({"params": params, **hyper})
+                self._inner_of_outer[fg.group_index].append(inner_index)
+                inner_index += 1
+                self._part_of[fi] = len(self.parts)
+            fg0 = self.flat_groups[flat_indices[0]]
+            if kind == TENSORWISE:
+                for fi in flat_indices:  # a constructor may look at the values
+                    self.owned[fi].acquire()
+                optimizer = build_inner(member, groups)
+                for fi in flat_indices:
+                    self.owned[fi].release()
+            elif self.offload is None:
+                optimizer = build_device_inner(member, groups, torch.device(fg0.device))
+            else:
+                optimizer = build_host_inner(member, groups)
+            self.parts.append(InnerPart(
+                optimizer, kind, tuple(flat_indices),
+                # CPUAdam writes the bf16/fp16 copy of what it updates in the same pass
+                copy_out=self.offload is not None and isinstance(optimizer, CPUAdam),
+                # FusedAdam (CUDA) also takes the gradient as it is (bf16, scaled) with the
+                # unscale / clip coefficient, so no fp32 copy or scaling pass precedes it
+                fused=self.offload is None and isinstance(optimizer, FusedAdam)))
+        self.inner = OptimizerChain([part.optimizer for part in self.parts]) \
+            if len(self.parts) != 1 else self.parts[0].optimizer
+
+    @property
+    def inner_name(self) -> str:
+        """The inner optimizers' class names (what a checkpoint's state belongs to)."""
+        return "+".join(type(part.optimizer).__name__ for part in self.parts)
 
     def __repr__(self) -> str:
         return f"ShardedOptimizer({self.base_class.__name__}, rank {self.comm.rank} of " \
@@ -161,6 +226,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         a batch's all-gather run while the next batch steps."""
         batches, current, numel = [], [], 0
         for fi, fg in enumerate(self.flat_groups):
+            if fi in self.owned:
+                continue  # tensor-wise: stepped whole, group by group (owner_step.py)
             for s, seg in enumerate(fg.layout.segments):
                 if current and numel + seg.chunk_numel > limit:
                     batches.append(current)
@@ -180,6 +247,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.comm.step = self.steps + 1  # for messages: the step whose collectives these are
         self.reducer.flush()
         self.steps += 1
+        self.stepped_at_backward = self.reducer.backward_count
         try:
             self._step()
         finally:
@@ -231,31 +299,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._sync_hyperparameters()
         in_flight: list[tuple[Handle, int]] = []
         for batch in self.sub_groups:
-            if self._fused:
-                written = self._fused_step(batch, grads, coef)
-                in_flight = self.publish(batch, written, in_flight)
-                continue
-            copy_out = {}  # master chunk -> tensor receiving its low-precision values
+            by_part: dict[int, list[tuple[int, int]]] = {}
             for fi, s in batch:
-                master, grad = self.flat_groups[fi].master_segments[s], grads[fi][s]
-                if self.offload is not None:
-                    grad = self.offload.grad_segment(fi, s, grad)
-                    target = self.offload.copy_out_target(fi, s) if self._copy_out else None
-                    if target is not None:
-                        copy_out[(fi, s)] = target
-                elif grad.dtype != torch.float32:
-                    grad = grad.float()  # a temporary fp32 copy, one sub-group at a time
-                if coef != 1.0:
-                    grad.mul_(coef)
-                master.grad = grad
-            if self._copy_out:
-                self.inner.step(low_precision_copies={
-                    self.flat_groups[fi].master_segments[s]: t for (fi, s), t in copy_out.items()})
-            else:
-                self.inner.step()
-            for fi, s in batch:
-                self.flat_groups[fi].master_segments[s].grad = None
-            in_flight = self.publish(batch, set(copy_out), in_flight)
+                by_part.setdefault(self._part_of[fi], []).append((fi, s))
+            written: set = set()
+            for k, entries in by_part.items():
+                written |= self._step_entries(self.parts[k], entries, grads, coef)
+            in_flight = self.publish(batch, written, in_flight)
+        for fi, owned in self.owned.items():
+            fg = self.flat_groups[fi]
+            segments = range(len(fg.layout.segments))
+            masters = fg.master_segments
+            group_grads = [self.offload.grad_segment(fi, s, grads[fi][s])
+                           if self.offload is not None else grads[fi][s] for s in segments]
+            owned.step(self.parts[self._part_of[fi]].optimizer, masters, group_grads, coef)
+            in_flight = self.publish([(fi, s) for s in segments], set(), in_flight)
         for handle, _ in in_flight:
             handle.wait()
         if self.fetcher is not None and self.fetcher.gathered:
@@ -263,7 +321,34 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self.offload.finish_step()  # refreshed segments read the updated chunks
             self.fetcher.refresh_gathered()
 
-    def _fused_step(self, batch, grads, coef: float) -> set:
+    def _step_entries(self, part: InnerPart, entries, grads, coef: float) -> set:
+        """Step ``part`` (elementwise) over ``entries`` ((flat group, segment) pairs). Returns
+        the pairs whose model values the step already wrote."""
+        if part.fused:
+            return self._fused_step(part.optimizer, entries, grads, coef)
+        copy_out = {}  # master chunk -> tensor receiving its low-precision values
+        for fi, s in entries:
+            master, grad = self.flat_groups[fi].master_segments[s], grads[fi][s]
+            if self.offload is not None:
+                grad = self.offload.grad_segment(fi, s, grad)
+                target = self.offload.copy_out_target(fi, s) if part.copy_out else None
+                if target is not None:
+                    copy_out[(fi, s)] = target
+            elif grad.dtype != torch.float32:
+                grad = grad.float()  # a temporary fp32 copy, one sub-group at a time
+            if coef != 1.0:
+                grad.mul_(coef)
+            master.grad = grad
+        if part.copy_out:
+            part.optimizer.step(low_precision_copies={
+                self.flat_groups[fi].master_segments[s]: t for (fi, s), t in copy_out.items()})
+        else:
+            part.optimizer.step()
+        for fi, s in entries:
+            self.flat_groups[fi].master_segments[s].grad = None
+        return set(copy_out)
+
+    def _fused_step(self, inner, batch, grads, coef: float) -> set:
         """One FusedAdam launch over the batch: gradients as reduced (bf16/fp16/fp32), the
         coefficient applied in the kernel, the compute-dtype chunk written in the same pass.
         Returns the (group, segment) pairs whose model values are already up to date."""
@@ -279,7 +364,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if chunk.device == master.device:  # not an offloaded stage-3 shard
                 lows[master] = chunk
                 written.add((fi, s))
-        self.inner.step(low_precision_copies=lows, grad_coef=coef, grads=grad_of)
+        inner.step(low_precision_copies=lows, grad_coef=coef, grads=grad_of)
         return written
 
     def publish(self, batch, written: set, in_flight: list[tuple[Handle, int]]):
@@ -422,6 +507,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def shard_state(self, fg: FlatParamGroup) -> tuple[dict[str, torch.Tensor], dict]:
         """The inner optimizer's state over one group's shard, for checkpoints: elementwise
         tensors laid out like the shard (key -> CPU tensor), and the scalar state."""
+        self._refuse_tensorwise(fg, "saving")
         elementwise: dict[str, torch.Tensor] = {}
         scalars: dict = {}
         for seg, master in zip(fg.layout.segments, fg.master_segments):
@@ -439,7 +525,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """The inverse of ``shard_state``, through the inner optimizer's own load_state_dict so
         each class gets its own dtypes and devices (torch keeps ``step`` as a tensor, CPUAdam
         as an int)."""
-        wants_int_step = isinstance(self.inner, CPUAdam)
+        self._refuse_tensorwise(fg, "loading")
+        wants_int_step = isinstance(self.parts[self._part_of[self.flat_groups.index(fg)]]
+                                    .optimizer, CPUAdam)
         current = self.inner.state_dict()
         index_of = {}
         for group in self.inner.param_groups:
@@ -457,6 +545,34 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 entry[key] = seg.of_shard(shard).clone().to(master.device)
             state[index_of[id(master)]] = entry
         self.inner.load_state_dict({"state": state, "param_groups": current["param_groups"]})
+
+    def _refuse_tensorwise(self, fg: FlatParamGroup, doing: str) -> None:
+        fi = next(i for i, g in enumerate(self.flat_groups) if g is fg)
+        if fi in self.owned:  # a bug if reached: checkpoints use owned_state for these
+            raise RuntimeError(f"{doing} flat-shard state of a tensor-wise group ({fi})")
+
+    def owned_state(self, fi: int) -> dict[int, dict]:
+        """Tensor-wise flat group ``fi``: parameter index -> the inner optimizer's state for
+        that whole parameter, for the parameters this rank owns (tensors as they are kept)."""
+        owned = self.owned[fi]
+        inner = self.parts[self._part_of[fi]].optimizer
+        return {i: dict(inner.state.get(p, {})) for i, p in zip(owned.names, owned.params)}
+
+    def load_owned_state(self, fi: int, states: dict[int, dict]) -> None:
+        """The inverse of ``owned_state`` (parameters missing from ``states`` start fresh),
+        through the inner optimizer's load_state_dict so its own dtype/device rules apply."""
+        owned = self.owned[fi]
+        current = self.inner.state_dict()
+        index_of = {}
+        for group in self.inner.param_groups:
+            for p in group["params"]:
+                index_of[id(p)] = len(index_of)
+        for i, p in zip(owned.names, owned.params):
+            if i in states:
+                current["state"][index_of[id(p)]] = states[i]
+            else:
+                current["state"].pop(index_of[id(p)], None)
+        self.inner.load_state_dict(current)
 
     def state_nbytes(self) -> int:
         """Bytes of the inner optimizer's state tensors (in host memory when offloaded)."""

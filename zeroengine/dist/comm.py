@@ -333,6 +333,30 @@ class Comm:
         return Handle(dist.all_gather(outputs, input.clone(), group=self.group,
                                       async_op=async_op))
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
+                   input_splits: list[int], what="") -> None:
+        """Rank r sends input's r'-th split (``input_splits[r']`` elements, in rank order) to
+        every rank r' and receives rank r''s split for it into output's r'-th split
+        (``output_splits``). Synchronous; counted as sent/received off-rank bytes (kind
+        "all_to_all"). NCCL needs device tensors: host ones travel through the device."""
+        if self.world_size == 1:
+            if output.numel():
+                output.copy_(input)
+            return
+        size = input.element_size()
+        entry = self._bytes["all_to_all"]
+        entry[0] += (sum(input_splits) - input_splits[self.rank]) * size
+        entry[1] += (sum(output_splits) - output_splits[self.rank]) * size
+        entry[2] += 1
+        staged = self.backend == "nccl" and input.device.type == "cpu"
+        send = input.cuda() if staged else input
+        recv = torch.empty(output.numel(), dtype=output.dtype, device=send.device) \
+            if staged else output
+        self._issue("all_to_all", what, None, [recv, send], False, lambda _: Handle(
+            dist.all_to_all_single(recv, send, output_splits, input_splits, group=self.group)))
+        if staged:
+            output.copy_(recv)
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0, what="") -> None:
         if self.world_size == 1:
             return
