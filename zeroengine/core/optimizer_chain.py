@@ -36,6 +36,15 @@ class _ChainedState(Mapping):
         return sum(len(state) for state in self._states)
 
 
+def init_without_copying_groups(optimizer: torch.optim.Optimizer, defaults: dict) -> None:
+    """What torch.optim.Optimizer.__init__ sets, minus the param groups: for optimizers that
+    share another's group dicts (copying them would cut a scheduler off from the groups)."""
+    optimizer.defaults = defaults
+    for name in ("step_pre", "step_post", "state_dict_pre", "state_dict_post",
+                 "load_state_dict_pre", "load_state_dict_post"):
+        setattr(optimizer, f"_optimizer_{name}_hooks", {})
+
+
 class OptimizerChain(torch.optim.Optimizer):
     def __init__(self, optimizers: list[torch.optim.Optimizer]):
         # Not calling Optimizer.__init__: it would copy the groups, and sharing the members'
@@ -47,13 +56,7 @@ class OptimizerChain(torch.optim.Optimizer):
                 raise TypeError(f"every optimizer in the list must be a torch.optim.Optimizer, "
                                 f"got {type(opt).__name__}")
         self.optimizers = list(optimizers)
-        self.defaults = self.optimizers[0].defaults
-        self._optimizer_step_pre_hooks = {}
-        self._optimizer_step_post_hooks = {}
-        self._optimizer_state_dict_pre_hooks = {}
-        self._optimizer_state_dict_post_hooks = {}
-        self._optimizer_load_state_dict_pre_hooks = {}
-        self._optimizer_load_state_dict_post_hooks = {}
+        init_without_copying_groups(self, self.optimizers[0].defaults)
 
     @property
     def param_groups(self) -> list[dict]:

@@ -75,6 +75,23 @@ class OwnedParams:
         begin = self._offset[piece.param] + piece.param_offset
         return buf[begin:begin + piece.numel]
 
+    def _exchange(self, outgoing, incoming, read, write, dtype, device, what) -> None:
+        """One all-to-all: ``outgoing[r]`` pieces read with ``read(piece)`` go to rank r,
+        ``incoming[r]`` pieces arrive from rank r and are stored with ``write(piece, values)``."""
+        flat = [p for pieces in outgoing for p in pieces]
+        send = torch.cat([read(p) for p in flat]) if flat else \
+            torch.empty(0, dtype=dtype, device=device)
+        recv = torch.empty(sum(p.numel for pieces in incoming for p in pieces), dtype=send.dtype,
+                           device=send.device)
+        self.comm.all_to_all(recv, send, [sum(p.numel for p in ps) for ps in incoming],
+                             [sum(p.numel for p in ps) for ps in outgoing],
+                             what=lambda: f"{what} (param group {self.fg.group_index})")
+        cursor = 0
+        for pieces in incoming:
+            for p in pieces:
+                write(p, recv[cursor:cursor + p.numel])
+                cursor += p.numel
+
     def gather(self, chunks: list[torch.Tensor], into: torch.Tensor, what: str) -> None:
         """``into`` (an owned buffer) <- the values of ``chunks`` (this rank's chunk of every
         segment, any dtype) for every parameter this rank owns. Collective over the group's
@@ -82,49 +99,25 @@ class OwnedParams:
         part, me = self.partition, self.me
         for piece in part.local[me]:
             self._in_owned(into, piece).copy_(self._in_chunk(chunks, piece))
-        if part.world_size == 1:
-            return
-        outgoing = [p for o in range(part.world_size) for p in part.sends[me][o]]
-        dtype = chunks[0].dtype if chunks else torch.float32
-        send = torch.cat([self._in_chunk(chunks, p) for p in outgoing]) if outgoing else \
-            torch.empty(0, dtype=dtype, device=into.device)
-        incoming = [part.sends[h][me] for h in range(part.world_size)]
-        recv = torch.empty(sum(p.numel for pieces in incoming for p in pieces), dtype=send.dtype,
-                           device=send.device)
-        self.comm.all_to_all(recv, send, [sum(p.numel for p in pieces) for pieces in incoming],
-                             [sum(p.numel for p in part.sends[me][o])
-                              for o in range(part.world_size)],
-                             what=lambda: f"{what} to their owners (param group "
-                             f"{self.fg.group_index})")
-        cursor = 0
-        for pieces in incoming:
-            for p in pieces:
-                self._in_owned(into, p).copy_(recv[cursor:cursor + p.numel])
-                cursor += p.numel
+        if part.world_size > 1:
+            ranks = range(part.world_size)
+            self._exchange([part.sends[me][o] for o in ranks], [part.sends[h][me] for h in ranks],
+                           lambda p: self._in_chunk(chunks, p),
+                           lambda p, v: self._in_owned(into, p).copy_(v),
+                           chunks[0].dtype if chunks else torch.float32, into.device,
+                           f"{what} to their owners")
 
     def scatter(self, source: torch.Tensor, chunks: list[torch.Tensor], what: str) -> None:
         """The inverse of ``gather``: ``chunks`` <- the owners' values in ``source``."""
         part, me = self.partition, self.me
         for piece in part.local[me]:
             self._in_chunk(chunks, piece).copy_(self._in_owned(source, piece))
-        if part.world_size == 1:
-            return
-        outgoing = [part.sends[h][me] for h in range(part.world_size)]
-        flat = [p for pieces in outgoing for p in pieces]
-        send = torch.cat([self._in_owned(source, p) for p in flat]) if flat else \
-            torch.empty(0, dtype=source.dtype, device=source.device)
-        incoming = [part.sends[me][o] for o in range(part.world_size)]
-        recv = torch.empty(sum(p.numel for pieces in incoming for p in pieces),
-                           dtype=send.dtype, device=send.device)
-        self.comm.all_to_all(recv, send, [sum(p.numel for p in pieces) for pieces in incoming],
-                             [sum(p.numel for p in pieces) for pieces in outgoing],
-                             what=lambda: f"{what} back from their owners (param group "
-                             f"{self.fg.group_index})")
-        cursor = 0
-        for pieces in incoming:
-            for p in pieces:
-                self._in_chunk(chunks, p).copy_(recv[cursor:cursor + p.numel])
-                cursor += p.numel
+        if part.world_size > 1:
+            ranks = range(part.world_size)
+            self._exchange([part.sends[h][me] for h in ranks], [part.sends[me][o] for o in ranks],
+                           lambda p: self._in_owned(source, p),
+                           lambda p, v: self._in_chunk(chunks, p).copy_(v),
+                           source.dtype, source.device, f"{what} back from their owners")
 
     def step(self, optimizer: torch.optim.Optimizer, masters: list[torch.Tensor],
              grads: list[torch.Tensor], coef: float) -> None:

@@ -25,7 +25,7 @@ from ..dist.handles import Handle
 from ..ops import CPUAdam, FusedAdam
 from .flat_param_group import FlatParamGroup
 from .grad_reducer import GradReducer
-from .optimizer_chain import OptimizerChain
+from .optimizer_chain import OptimizerChain, init_without_copying_groups
 from .optimizer_factory import (
     IMPLEMENTATION_KEYS,
     build_device_inner,
@@ -75,15 +75,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         step."""
         # Deliberately not calling Optimizer.__init__: it would copy the groups, and sharing the
         # user's dicts is what keeps their schedulers working.
-        self.defaults = base.defaults
+        init_without_copying_groups(self, base.defaults)
         self.param_groups = base.param_groups
         self.state = {}  # per-parameter state lives in the inner optimizer, by chunk
-        self._optimizer_step_pre_hooks = {}
-        self._optimizer_step_post_hooks = {}
-        self._optimizer_state_dict_pre_hooks = {}
-        self._optimizer_state_dict_post_hooks = {}
-        self._optimizer_load_state_dict_pre_hooks = {}
-        self._optimizer_load_state_dict_post_hooks = {}
         self._zero_grad_profile_name = "ShardedOptimizer.zero_grad"
         self.base_class = type(base)
         self.flat_groups = flat_groups
