@@ -65,8 +65,9 @@ def _prepare_optimizer(model: nn.Module, cfg: Config, optimizer) -> torch.optim.
     if isinstance(optimizer, (list, tuple)):  # e.g. [Muon(matrices), AdamW(the rest)]
         optimizer = OptimizerChain(list(optimizer)) if len(optimizer) != 1 else optimizer[0]
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer (or a list of them), got "
-                        f"{type(optimizer).__name__}")
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__} (or a list of optimizers over disjoint "
+                        "parameters)")
     members = optimizer.member_of_group() if isinstance(optimizer, OptimizerChain) \
         else [optimizer] * len(optimizer.param_groups)
     for member, group in zip(members, optimizer.param_groups):
@@ -137,4 +138,7 @@ def initialize(model: nn.Module, config, optimizer: torch.optim.Optimizer | None
         lr_scheduler = scheduler_from_config(cfg.scheduler, optimizer)
     else:
         _passed_and_configured("scheduler", "an lr_scheduler", lr_scheduler, cfg.scheduler)
-    return ZeroEngine(model, optimizer, cfg, comm, device, lr_scheduler)
+    engine = ZeroEngine(model, optimizer, cfg, comm, device, lr_scheduler)
+    if cfg.compile.on:
+        engine.compile(cfg.compile.backend, cfg.compile.kwargs)
+    return engine

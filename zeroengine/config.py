@@ -227,6 +227,23 @@ class SchedulerConfig:
 
 
 @dataclass
+class CompileConfig:
+    enabled: bool = option(False, "torch.compile the model's forward at initialize() (as "
+                           "engine.compile() does; the engine's hooks stay outside the graph). "
+                           "DeepSpeed 0.13's key; \"disable\": false turns it on too.")
+    disable: Optional[bool] = option(None, "DeepSpeed's other spelling: false compiles, true "
+                                     "does not (wins over enabled).")
+    backend: str = option("inductor", "The torch.compile backend (inductor, aot_eager, eager, "
+                          "or any registered one).")
+    kwargs: dict = option({}, "torch.compile's other keyword arguments: mode, dynamic, "
+                          "fullgraph, options.")
+
+    @property
+    def on(self) -> bool:
+        return not self.disable if self.disable is not None else self.enabled
+
+
+@dataclass
 class Config:
     train_batch_size: Optional[int] = option(None, "Samples per optimizer step over all ranks: "
                                              "micro batch x accumulation steps x world size.",
@@ -265,6 +282,8 @@ class Config:
                               deprecated=("bfloat16",))
     zero_optimization: ZeroConfig = option(ZeroConfig(), "What is sharded and how gradients "
                                            "travel.")
+    compile: CompileConfig = option(CompileConfig(), "torch.compile of the model (docs/"
+                                    "compile.md).")
     tensorboard: TensorBoardConfig = option(TensorBoardConfig(), "DeepSpeed's TensorBoard "
                                             "monitor.")
     csv_monitor: CSVMonitorConfig = option(CSVMonitorConfig(), "DeepSpeed's CSV monitor.")

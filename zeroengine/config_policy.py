@@ -79,6 +79,12 @@ REFUSED: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "zero_optimization.leaf_module": ("DeepSpeed's leaf_module section: name the classes in "
                                       "zero_optimization.stage3_leaf_modules instead",
                                       _disabled),
+    **{f"compile.{k}": ("DeepSpeed's DeepCompile (its own compiler passes: " + k + ") is "
+                        + _FEATURE + "; zeroengine compiles with torch.compile (compile."
+                        "enabled)", _equals(False))
+       for k in ("deepcompile", "free_activation", "offload_activation", "offload_opt_states",
+                 "offload_parameters", "autoep_non_moe")},
+    "compile.passes": ("DeepCompile passes are " + _FEATURE, lambda v: not v),
     "fp16.fp16_master_weights_and_grads": ("fp16 master weights and gradients (instead of "
                                            "fp32 masters) are " + _FEATURE, _equals(False)),
 }
@@ -111,7 +117,12 @@ NO_EFFECT: dict[str, str] = {
     "aio": "it configures NVMe offload, which zeroengine does not have",
     "nebula": "it configures a DeepSpeed checkpoint service",
     "autotuning": "it configures DeepSpeed's autotuner",
-    "compile": "DeepSpeed's compile settings; call torch.compile on the model yourself",
+    **{f"compile.{k}": "tunes DeepSpeed's own compiler (DeepCompile); zeroengine uses "
+       "torch.compile" for k in ("double_buffer", "symmetric_memory", "debug_log",
+                                  "sync_before_reduce", "sync_after_reduce",
+                                  "sync_before_allgather", "sync_after_allgather",
+                                  "keep_int_input_tensors", "keep_all_input_tensors",
+                                  "free_activation_threshold", "offload_activation_pin_memory")},
     "comms_config": _INTERNAL, "disable_allgather": _INTERNAL,
     **{f"zero_optimization.{k}": _INTERNAL for k in (
         "stage3_module_granularity_threshold", "module_granularity_threshold",

@@ -22,6 +22,7 @@ import warnings
 import numpy as np
 import torch
 
+from ..core.compiled import uncompiled
 from . import format as fmt
 from .format import CheckpointError
 
@@ -30,7 +31,7 @@ from .format import CheckpointError
 def _names(engine) -> dict[int, str]:
     """Parameter -> its first name (tied parameters have several)."""
     names: dict[int, str] = {}
-    for name, p in engine.module.named_parameters(remove_duplicate=False):
+    for name, p in uncompiled(engine.module).named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
     return names
 
@@ -188,7 +189,7 @@ def _gather_digests(comm, hexes: list[str]) -> list[list[str]]:
 def _module_rest(engine) -> dict[str, torch.Tensor]:
     """state_dict entries not held in flat groups: buffers, frozen and non-optimized params."""
     managed = _managed(engine)
-    return {k: v.detach().cpu().clone() for k, v in engine.module.state_dict(keep_vars=True).items()
+    return {k: v.detach().cpu().clone() for k, v in uncompiled(engine.module).state_dict(keep_vars=True).items()
             if id(v) not in managed}
 
 
@@ -196,7 +197,7 @@ def _meta(engine, names, groups_meta, files, tag) -> dict:
     from .. import __version__
     managed = _managed(engine)
     state_dict_keys = {k: (names[id(v)] if id(v) in managed else None)
-                       for k, v in engine.module.state_dict(keep_vars=True).items()}
+                       for k, v in uncompiled(engine.module).state_dict(keep_vars=True).items()}
     index = {}
     for gi, g in enumerate(groups_meta):
         for entry, (name, _, _) in enumerate(g["params"]):
@@ -214,7 +215,7 @@ def _meta(engine, names, groups_meta, files, tag) -> dict:
                       "param_groups": [_jsonable({k: v for k, v in g.items() if k != "params"})
                                        for g in opt.param_groups]},
         "groups": groups_meta, "index": index, "state_dict_keys": state_dict_keys,
-        "files": files, "hf_config": _hf_config(engine.module),
+        "files": files, "hf_config": _hf_config(uncompiled(engine.module)),
     }
 
 
@@ -351,7 +352,7 @@ def _load_owned_state(engine, fi: int, fg, names, meta, reader, path: str) -> No
 
 
 def _load_module_rest(engine, rest: dict, path: str) -> None:
-    own = engine.module.state_dict(keep_vars=True)
+    own = uncompiled(engine.module).state_dict(keep_vars=True)
     managed = _managed(engine)
     with torch.no_grad():
         for key, value in own.items():
@@ -379,7 +380,7 @@ def save_16bit_model(engine, save_dir: str, filename: str = "model.safetensors")
     full = engine.consolidated_state_dict()  # collective: fp32 values on every rank
     if engine.comm.rank == 0:
         dtype = engine.precision.compute
-        own = engine.module.state_dict(keep_vars=True)
+        own = uncompiled(engine.module).state_dict(keep_vars=True)
         out = {k: (v.to(dtype) if v.is_floating_point() and own[k].is_floating_point() else v)
                .contiguous().clone() for k, v in full.items()}
         os.makedirs(save_dir, exist_ok=True)

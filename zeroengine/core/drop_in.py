@@ -23,6 +23,7 @@ import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad as _clip_module
 
+from .compiled import uncompiled
 from .optimizer_chain import OptimizerChain
 
 # id(parameter) -> the ShardedOptimizer stepping it; filled by the engine, emptied by close().
@@ -129,6 +130,9 @@ class EngineHook:
     def __init__(self, fn):
         self.fn = fn
 
+    # Never traced by torch.compile: dynamo breaks the graph around an engine hook and runs it
+    # eagerly (core/compiled.py). torch._disable_dynamo imports dynamo on the first call only.
+    @torch._disable_dynamo
     def __call__(self, *args):
         return self.fn(*args)
 
@@ -164,9 +168,9 @@ class ForwardGuard:
         # (owning module, its attribute name, the managed parameter, full name): checked with
         # one dict lookup each per forward instead of a named_parameters() walk
         self.slots = [(mod, local, p, f"{prefix}.{local}" if prefix else local)
-                      for prefix, mod in module.named_modules(remove_duplicate=False)
+                      for prefix, mod in uncompiled(module).named_modules(remove_duplicate=False)
                       for local, p in mod._parameters.items() if id(p) in self.where]
-        self.managed = [(name, p) for name, p in module.named_parameters()
+        self.managed = [(name, p) for name, p in uncompiled(module).named_parameters()
                         if id(p) in self.where]
         self.storage = {id(p): p.untyped_storage()._cdata for _, p in self.managed}
         # The model called inside its own forward (a LightningModule's training_step run as the

@@ -35,7 +35,8 @@ import torch.nn as nn
 from ..config import AUTO, Config
 from ..dist.comm import Comm
 from ..monitor import Monitor
-from . import gathered
+from . import compiled, gathered
+from .compiled import uncompiled
 from .drop_in import ForwardGuard, redirect_optimizer, register_parameters, unregister_parameters
 from .grad_reducer import GradReducer, ReduceSettings
 from .optimizer_offload import OptimizerOffload
@@ -111,7 +112,7 @@ class ZeroEngine:
             settings=StepSettings(config.gradient_clipping, zero.allgather_bucket_size,
                                   zero.sub_group_size, config.on_nonfinite),
             loss_scaler=scaler, offload=self.offload, fetcher=self.fetcher,
-            param_names={id(p): n for n, p in module.named_parameters()})
+            param_names={id(p): n for n, p in uncompiled(module).named_parameters()})
         gathered.register(self.flat_groups, comm, self.fetcher)
         # the loop the user already has keeps working: their optimizer object and torch's
         # clip_grad_norm_ reach the sharded step (drop_in.py)
@@ -122,6 +123,7 @@ class ZeroEngine:
             module, self.flat_groups, self._broadcast_buffers if broadcast else None,
             check_ranks=self.fetcher.check_forward_start
             if self.fetcher is not None and self.fetcher.check_ranks else None)
+        compiled.install(module)  # module.compile() compiles forward, keeping our hooks eager
         self.lr_scheduler = lr_scheduler
         # a scheduler over the optimizer given now drives the engine's (the same group dicts);
         # one over a member of a list given keeps driving just that member's groups
@@ -137,6 +139,7 @@ class ZeroEngine:
         """Remove every hook the engine put on the model and its parameters; close the
         monitor's writers."""
         self.monitor.close()
+        compiled.uninstall(self.module)
         unregister_parameters(self._managed_params())
         self.guard.remove()
         self.reducer.remove_hooks()
@@ -204,6 +207,7 @@ class ZeroEngine:
             value = loss.detach().float()
             self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
             self._loss_count += 1
+        compiled.check_compiled_autograd()
         factor = self.loss_scale / (self.gradient_accumulation_steps if scale_wrt_gas else 1)
         if factor != 1.0:
             # fp16: scaled in fp32, since loss x 2**16 overflows fp16 itself.
@@ -260,6 +264,23 @@ class ZeroEngine:
         accumulate into, so they reduce every backward regardless)."""
         with self.reducer.deferred():
             yield
+
+    def compile(self, backend: str = "inductor", compile_kwargs: dict | None = None,
+                compiled_autograd_enabled: bool = False) -> None:
+        """DeepSpeed's verb: torch.compile the model's forward (core/compiled.py), the engine's
+        hooks staying outside the graph. ``compile_kwargs``: torch.compile's other arguments
+        (mode, dynamic, fullgraph, options). Compiled autograd is refused (see
+        compiled.check_compiled_autograd)."""
+        if compiled_autograd_enabled:
+            raise ValueError("compiled_autograd_enabled=True: zeroengine's gradient hooks run "
+                             "as backward produces each gradient, outside any graph; compiled "
+                             "autograd is not supported (the forward's backward is compiled "
+                             "through AOTAutograd without it)")
+        compiled.compile_forward(self.module, backend=backend, **(compile_kwargs or {}))
+
+    @property
+    def is_compiled(self) -> bool:
+        return compiled.is_compiled(self.module)
 
     def train(self, mode: bool = True) -> "ZeroEngine":
         self.module.train(mode)
@@ -352,7 +373,7 @@ class ZeroEngine:
                 slot = fg.layout.slots[i]
                 full_values[id(p)] = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
         out = {}
-        for name, t in self.module.state_dict(keep_vars=True).items():
+        for name, t in uncompiled(self.module).state_dict(keep_vars=True).items():
             value = full_values.get(id(t))
             if value is None:
                 value = t.detach()

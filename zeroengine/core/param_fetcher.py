@@ -30,6 +30,7 @@ import torch.nn as nn
 from ..config import auto_stage3_window
 from ..dist.comm import Comm
 from ..dist.handles import GATHER, PREFETCH, Handle
+from .compiled import eager_stance, is_compiled, uncompiled
 from .drop_in import EngineHook
 from .flat_param_group import FlatParamGroup
 from .sharded_param import ShardedParameterAccessError, mark_sharded, unmark_sharded
@@ -101,7 +102,7 @@ class ParamFetcher:
                 for i in seg.params:
                     where[id(g.params[i])] = (gi, s)
         self.where = where
-        self._param_names = {id(p): name for name, p in module.named_parameters()}
+        self._param_names = {id(p): name for name, p in uncompiled(module).named_parameters()}
         self._hooks = []
         self.module_keys: dict[nn.Module, list[Key]] = {}
         for mod, leaf in _fetch_units(module, set(leaf_modules)):
@@ -118,6 +119,11 @@ class ParamFetcher:
         # the root called inside its own forward (a LightningModule's training_step run as the
         # forward, calling self(x)): the end-of-forward work waits for the outermost call
         self._root_depth = 0
+        # A compiled model's first forward runs eagerly (compiled.eager_stance): the checks
+        # that find parameters a module reads without calling their owner (sharded_param.py)
+        # cannot run inside a graph, so they learn them once, before anything is traced.
+        self._first_forward = True
+        self._stance = None
         self._running: list[nn.Module] = []  # hooked modules whose forward is running
         for g in groups:
             for p in g.params:
@@ -142,6 +148,8 @@ class ParamFetcher:
     def _pre_forward(self, module, args):
         if module is self.root:
             self._root_depth += 1
+            if self._root_depth == 1 and self._first_forward and is_compiled(self.root):
+                self._stance = eager_stance()
         self._running.append(module)
         self.acquire(self.module_keys[module])
 
@@ -162,6 +170,10 @@ class ParamFetcher:
         self._root_depth = max(0, self._root_depth - 1)
         if self._root_depth:
             return  # a nested call of the root: the outer forward goes on
+        self._first_forward = False
+        if self._stance is not None:
+            self._stance.__exit__(None, None, None)
+            self._stance = None
         self._running.clear()  # a forward that raised inside never ran its post hooks
         self._reached["forward"] = -1
         if not torch.is_grad_enabled():  # no backward follows: drop unused prefetches now

@@ -116,7 +116,9 @@ class ShardedParameter(nn.Parameter):
         if func is torch.Tensor.to and isinstance(args[0], ShardedParameter) \
                 and _is_noop_to(args, kwargs):
             return args[0]
-        if not _BYPASS[0] and _reads_values(func):
+        # Under torch.compile the check is not traceable (storage sizes); compiled code runs
+        # between the fetcher's module hooks, which run eagerly and gather what it reads.
+        if not _BYPASS[0] and not torch.compiler.is_compiling() and _reads_values(func):
             for t in _sharded_in(args, _sharded_in(kwargs, [])):
                 if _released(t):
                     owner = _OWNER.get(id(t))

@@ -1,0 +1,216 @@
+"""torch.compile at every stage: torch.compile(model) before initialize, engine.module.compile()
+after it, and the config's compile section; the compiled runs equal plain PyTorch as the eager
+ones do, the engine adds no graph break at stages 0-2, and compiled autograd is refused."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.utils.checkpoint
+from models import (
+    AwkwardNet,
+    batch,
+    loss_fn,
+    make_model,
+    make_optimizer,
+    max_relative_error,
+    param_groups,
+    reference_train,
+)
+from test_precision import TOLERANCE, precision_config, relative_deviation
+
+import zeroengine
+from zeroengine.testing import run_ranks
+
+STEPS = 3
+
+
+class CheckpointedNet(AwkwardNet):
+    """AwkwardNet with its body under activation checkpointing (recomputed in backward)."""
+
+    def forward(self, tokens):
+        h = self.embed(tokens) * self.scale
+        h = h + self.frozen(h)
+        h = torch.utils.checkpoint.checkpoint(self.body, h, use_reentrant=False)
+        return self.head(self.norm(h))
+
+
+def config(stage: int, precision: str = "fp32", offload: bool = False) -> dict:
+    cfg = precision_config(precision, stage, clip=0.5) if precision != "fp32" else {
+        "gradient_accumulation_steps": 2, "gradient_clipping": 0.5,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 40,
+                              "stage3_param_persistence_threshold": 0}}
+    if offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    return cfg
+
+
+def compiled_run(cases):
+    """Each case: (config, how, backend, checkpointed) trained STEPS optimizer steps; returns
+    the consolidated state, the graph breaks dynamo counted, and the state dict's names."""
+    from torch._dynamo.utils import counters
+    out = []
+    for cfg, how, backend, checkpointed in cases:
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = CheckpointedNet() if checkpointed else AwkwardNet()
+        if how == "pre":
+            model = torch.compile(model, backend=backend)
+        if how == "config":
+            cfg = dict(cfg, compile={"disable": False, "backend": backend})
+        engine = zeroengine.initialize(model, cfg,
+                                       optimizer=make_optimizer("adamw", param_groups(model)))
+        if how == "post":
+            engine.module.compile(backend=backend)
+        rank = engine.comm.rank
+        for step in range(STEPS):
+            for micro in range(2):
+                tokens, targets = batch(step, micro, rank)
+                engine.backward(loss_fn(engine(tokens), targets))
+                engine.step()
+        breaks = dict(counters["graph_break"])
+        out.append((engine.consolidated_state_dict(), breaks, engine.is_compiled))
+        engine.close()
+    return out
+
+
+# (stage, how, backend, checkpointed, precision, offload). aot_eager traces forward and
+# backward exactly as inductor does (AOTAutograd) without generating kernels; inductor itself
+# runs at stages 2 and 3.
+CASES = [(0, "pre", "aot_eager", False, "fp32", False),
+         (1, "post", "aot_eager", True, "fp32", False),
+         (2, "config", "aot_eager", False, "fp32", False),
+         (2, "pre", "inductor", False, "fp32", False),
+         (2, "post", "aot_eager", False, "fp32", True),
+         (3, "pre", "aot_eager", True, "fp32", False),
+         (3, "post", "inductor", False, "fp32", False),
+         (3, "config", "aot_eager", False, "fp32", True),
+         (2, "pre", "aot_eager", False, "bf16", False),
+         (3, "post", "aot_eager", True, "fp16", False)]
+
+
+@pytest.fixture(scope="module")
+def trained():
+    cases = [(config(stage, precision, offload), how, backend, ckpt)
+             for stage, how, backend, ckpt, precision, offload in CASES]
+    return run_ranks(2, compiled_run, cases, timeout=900)
+
+
+def _reference(checkpointed: bool) -> dict:
+    # activation checkpointing recomputes the same values: the plain reference serves both
+    return reference_train("adamw", 2, STEPS, 2, 0.5)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"stage{c[0]}-{c[1]}-{c[2]}"
+                         f"{'-ckpt' if c[3] else ''}-{c[4]}{'-offload' if c[5] else ''}")
+def test_compiled_equals_plain_pytorch(trained, case):
+    index = CASES.index(case)
+    stage, how, backend, ckpt, precision, offload = case
+    reference = _reference(ckpt)
+    initial = {k: v.float() for k, v in make_model().state_dict().items()}
+    for rank in range(2):
+        state, breaks, is_compiled = trained[rank][index]
+        assert is_compiled
+        assert set(state) == set(reference)  # no "_orig_mod." in the names
+        if precision == "fp32":
+            err, where = max_relative_error(state, reference)
+            assert err <= 1e-5, f"{where}: {err:.2e}"
+        else:
+            assert relative_deviation(state, reference, initial) < TOLERANCE
+        engine_breaks = {r: n for r, n in breaks.items() if "EngineHook" in r}
+        if stage < 3:
+            assert breaks == {}, breaks  # stages 0-2: the engine adds no graph break
+        else:
+            # stage 3: only the fetcher's module hooks break the graph (run eagerly)
+            assert engine_breaks and set(engine_breaks) == set(breaks), breaks
+
+
+def compiled_autograd_refused():
+    from torch._dynamo import compiled_autograd
+    model = make_model()
+    engine = zeroengine.initialize(model, config(2),
+                                   optimizer=make_optimizer("adamw", param_groups(model)))
+    tokens, targets = batch(0, 0, 0)
+    loss = loss_fn(engine(tokens), targets)
+    with pytest.raises(RuntimeError, match="compiled autograd is on"):
+        with compiled_autograd._enable(torch.compile(backend="eager")):
+            engine.backward(loss)
+    with pytest.raises(ValueError, match="compiled autograd is not supported"):
+        engine.compile(compiled_autograd_enabled=True)
+    return True
+
+
+def test_compiled_autograd_is_refused_by_name():
+    assert run_ranks(1, compiled_autograd_refused) == [True]
+
+
+def test_deepspeed_compile_sections():
+    from zeroengine.config import ConfigError
+    assert zeroengine.parse_config({"compile": {"disable": False}}).compile.on
+    assert not zeroengine.parse_config({"compile": {"disable": True, "enabled": True}}).compile.on
+    assert zeroengine.parse_config({"compile": {"enabled": True, "backend": "aot_eager",
+                                                "kwargs": {"mode": "default"}}}).compile.on
+    with pytest.raises(ConfigError, match="DeepCompile"):
+        zeroengine.parse_config({"compile": {"deepcompile": True}})
+    assert not zeroengine.parse_config({"compile": {"deepcompile": False}}).compile.on
+
+
+class AttentionNet(torch.nn.Module):
+    """nn.MultiheadAttention reads out_proj.weight without calling out_proj: at stage 3 the
+    engine learns that on the first (eager) forward; compiled forwards then find it gathered."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(20, 16)
+        self.attn = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+        self.out = torch.nn.Linear(16, 20)
+
+    def forward(self, x):
+        h = self.embed(x)
+        a, _ = self.attn(h, h, h, need_weights=False)
+        return self.out(h + a)
+
+
+def attention_run(how: str, root: str):
+    torch.manual_seed(0)
+    model = AttentionNet()
+    if how == "pre":
+        model = torch.compile(model, backend="aot_eager")
+    engine = zeroengine.initialize(model, {
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+    if how == "post":
+        engine.module.compile(backend="aot_eager")
+    g = torch.Generator().manual_seed(engine.comm.rank)
+    losses = []
+    for _ in range(3):
+        x = torch.randint(0, 20, (2, 6), generator=g)
+        loss = torch.nn.functional.cross_entropy(engine(x).reshape(-1, 20), x.reshape(-1))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    if how == "pre":  # a compiled run's checkpoint, named as the eager model names things
+        engine.save_checkpoint(root)
+    return losses, engine.consolidated_state_dict()
+
+
+def eager_load(root: str):
+    torch.manual_seed(1)
+    engine = zeroengine.initialize(AttentionNet(), {
+        "zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+    engine.load_checkpoint(root)
+    return engine.consolidated_state_dict()
+
+
+def test_stage3_attention_and_checkpoint_names(tmp_path):
+    """Compiled (before and after initialize) equals eager at stage 3 on a model that reads a
+    child's weight without calling the child; the compiled run's checkpoint loads into an eager
+    engine at another stage and world size, by the same names."""
+    root = str(tmp_path / "ckpt")
+    eager_losses, eager_state = run_ranks(2, attention_run, "eager", root)[0]
+    for how in ("pre", "post"):
+        losses, state = run_ranks(2, attention_run, how, root)[0]
+        assert losses == pytest.approx(eager_losses, rel=1e-6), how
+        assert max_relative_error(state, eager_state)[0] <= 1e-5, how
+    loaded = run_ranks(1, eager_load, root)[0]
+    assert max_relative_error(loaded, eager_state)[0] <= 1e-5
