@@ -12,6 +12,8 @@ Muon on the blocks' matrices + AdamW on the rest, for ddp and our rows). Variant
     ds2-off ds3-off  DeepSpeed stage 2/3 with offload_optimizer (DeepSpeedCPUAdam)
     ze0..ze3       zeroengine stages 0-3 (stage 3 built under zero_init)
     ze2-off ze3-off  zeroengine stage 2/3 with offload_optimizer (our CPU Adam)
+    <any of ddp, fsdp2*, ze*>-c  the same under torch.compile (inductor): DDP as
+                   torch.compile(DDP(model)), FSDP2 as model.compile(), ours as engine.compile()
 
 each in fp32 and/or bf16 (--precision). Runs are interleaved (repeat 1 of every variant, then
 repeat 2, ...), each in fresh processes. Per variant: median step time over the measured steps
@@ -56,6 +58,15 @@ OURS = ["ze0", "ze1", "ze2", "ze3", "ze2-off", "ze3-off"]
 SAME_SHARDING = {"ze0": ["ddp", "ds0"], "ze1": ["zero-opt", "ds1"],
                  "ze2": ["fsdp2-keep", "ds2"], "ze3": ["fsdp2", "ds3"],
                  "ze2-off": ["ds2-off"], "ze3-off": ["ds3-off"]}
+# compiled rows (name + "-c") compare with the compiled rows of the same sharding
+SAME_SHARDING.update({"ze0-c": ["ddp-c"], "ze2-c": ["fsdp2-keep-c"], "ze3-c": ["fsdp2-c"]})
+
+
+def base_variant(variant: str) -> tuple[str, bool]:
+    """("ze2", True) for "ze2-c": the variant and whether it runs under torch.compile."""
+    return (variant[:-2], True) if variant.endswith("-c") else (variant, False)
+
+
 # --ours-zero travels to the spawned ranks in this variable, --optimizer in the next
 OURS_ZERO_ENV = "ZEROENGINE_COMPARE_ZERO"
 OPTIMIZER_ENV = "ZEROENGINE_COMPARE_OPTIMIZER"
@@ -158,6 +169,7 @@ def build(variant: str, precision: str, cfg: GPTConfig, micro: int):
     ``train_step.state_bytes()``: the optimizer state this rank holds (where measured)."""
     bf16 = precision == "bf16"
     optimizer_name = os.environ.get(OPTIMIZER_ENV, "adamw")
+    variant, compiled = base_variant(variant)
     if variant in OURS:
         import zeroengine
         stage, offload = int(variant[2]), variant.endswith("-off")
@@ -172,6 +184,8 @@ def build(variant: str, precision: str, cfg: GPTConfig, micro: int):
             model = GPT(cfg)
         engine = zeroengine.initialize(model, config,
                                        optimizer=make_optimizers(model, optimizer_name))
+        if compiled:
+            engine.compile(backend="inductor")
         step = _engine_step(model, engine)
         step.state_bytes = engine.optimizer.state_nbytes
         return step, [engine], model
@@ -206,6 +220,8 @@ def build(variant: str, precision: str, cfg: GPTConfig, micro: int):
             fully_shard(block, reshard_after_forward=reshard, mp_policy=mp)
         fully_shard(model, reshard_after_forward=reshard, mp_policy=mp)
         opt = torch.optim.AdamW(model.parameters(), **LR)
+        if compiled:
+            model.compile(backend="inductor")
 
         def step(tokens, targets):
             loss = model.loss(tokens, targets)
@@ -217,6 +233,8 @@ def build(variant: str, precision: str, cfg: GPTConfig, micro: int):
 
     from torch.nn.parallel import DistributedDataParallel as DDP
     wrapped = DDP(model)
+    if compiled:
+        wrapped = torch.compile(wrapped, backend="inductor")
     if variant == "zero-opt":
         from torch.distributed.optim import ZeroRedundancyOptimizer
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
@@ -273,7 +291,7 @@ def run_variant(variant: str, precision: str, size: str, steps: int, warmup: int
            "baseline_rss": baseline, "held_bytes": held_bytes(*roots), "params": params,
            "sent_per_rank_step": tx / world / steps, "first_loss": losses[0],
            "last_loss": losses[-1]}
-    if variant in OURS:
+    if base_variant(variant)[0] in OURS:
         out["memory_report"] = roots[0].memory_report()
     if hasattr(train_step, "state_bytes"):
         out["optimizer_state_bytes"] = train_step.state_bytes()
@@ -285,7 +303,8 @@ def run_variant(variant: str, precision: str, size: str, steps: int, warmup: int
 def zero_formula_bytes(params: int, variant: str, precision: str, world: int) -> float | None:
     """Model states per rank by the ZeRO paper, for our rows (device + host)."""
     from zeroengine.tools.estimate import model_state_bytes
-    if not variant in OURS:
+    variant = base_variant(variant)[0]
+    if variant not in OURS:
         return None
     e = model_state_bytes(params, int(variant[2]), world, precision, 2,
                           offload_optimizer=variant.endswith("-off"))
@@ -295,7 +314,7 @@ def zero_formula_bytes(params: int, variant: str, precision: str, world: int) ->
 def paper_volume(params: int, variant: str, precision: str, world: int) -> float:
     """Bytes each rank sends per step by the ZeRO paper: 2x the parameters' bytes (stages
     0-2), 3x (stage 3), times (N-1)/N for a ring; in the dtype the collectives carry."""
-    stage = 3 if variant in ("ze3", "ze3-off", "ds3", "ds3-off", "fsdp2") else 0
+    stage = 3 if base_variant(variant)[0] in ("ze3", "ze3-off", "ds3", "ds3-off", "fsdp2") else 0
     width = 2 if precision == "bf16" else 4
     return (3 if stage == 3 else 2) * params * width * (world - 1) / world
 
