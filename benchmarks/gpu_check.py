@@ -10,7 +10,8 @@
 4. side streams: a collective issued on a side stream waits for the compute stream's producer,
    and a consumer after Handle.wait() sees its result (a long matmul makes any missing
    ordering show);
-5. world-size-1 training (NCCL group) at stages 0-3, bf16, and stage 2/3 with optimizer offload,
+5. world-size-1 training (NCCL group) at stages 0-3, bf16, stage 2/3 with optimizer offload,
+   stage 2/3 under torch.compile (inductor) and with a tensor-wise optimizer (Adafactor),
    against plain PyTorch on the same data;
 6. times our fused Adam against torch.optim.AdamW(fused=True) at 100M and 1B parameters (fp32;
    and with the bf16 copy-out, against torch fused + a separate copy), as a ratio and as a
@@ -176,23 +177,29 @@ def check_streams() -> None:
 
 
 # -- 5. world-size-1 training ------------------------------------------------------------------
-def train_case(stage: int, bf16: bool, offload: bool, steps: int = 4) -> float:
+def train_case(stage: int, bf16: bool, offload: bool, steps: int = 4, compiled: bool = False,
+               optimizer: str = "adamw") -> float:
     import zeroengine
     from zeroengine.examples.gpt import GPT, GPTConfig
     cfg = GPTConfig(context=64, layers=2, heads=4, dim=128)
     hyper = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
     torch.manual_seed(0)
     ref = GPT(cfg).to(DEVICE)
-    ref_opt = torch.optim.AdamW(ref.parameters(), **hyper)
+    make = (lambda ps: torch.optim.AdamW(ps, **hyper)) if optimizer == "adamw" else \
+        (lambda ps: torch.optim.Adafactor(ps, lr=1e-2))  # tensor-wise: whole params on owners
+    ref_opt = make(ref.parameters())
     torch.manual_seed(0)
     model = GPT(cfg)
     zero = {"stage": stage}
+    if stage == 3:  # partition this small model's parameters too (default threshold: 100k)
+        zero["stage3_param_persistence_threshold"] = 0
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
     engine = zeroengine.initialize(model, {
         "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {**hyper, "betas": list(hyper["betas"])}},
-        "bf16": {"enabled": bf16}, "zero_optimization": zero})
+        "bf16": {"enabled": bf16}, "zero_optimization": zero}, optimizer=make(model.parameters()))
+    if compiled:  # inductor on the GPU; aot_eager in the CPU dry run (same graph split)
+        engine.compile(backend="inductor" if DEVICE == "cuda" else "aot_eager")
     gen = torch.Generator().manual_seed(5)
     initial = {k: v.detach().float().clone() for k, v in ref.state_dict().items()}
     for _ in range(steps):
@@ -218,16 +225,22 @@ def check_training() -> None:
                       RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     import zeroengine
     zeroengine.init_distributed()
-    for stage, bf16, offload in [(0, False, False), (1, False, False), (2, False, False),
-                                 (3, False, False), (1, True, False), (2, True, False),
-                                 (3, True, False), (2, False, True), (3, False, True)]:
+    for stage, bf16, offload, compiled, optimizer in [
+            (0, False, False, False, "adamw"), (1, False, False, False, "adamw"),
+            (2, False, False, False, "adamw"), (3, False, False, False, "adamw"),
+            (1, True, False, False, "adamw"), (2, True, False, False, "adamw"),
+            (3, True, False, False, "adamw"), (2, False, True, False, "adamw"),
+            (3, False, True, False, "adamw"), (2, True, False, True, "adamw"),
+            (3, True, False, True, "adamw"), (2, False, False, False, "adafactor"),
+            (3, True, False, False, "adafactor")]:
         # relative to how far the weights moved. fp32: our kernel vs torch's AdamW differ by
         # rounding, which Adam amplifies where a gradient is ~0; bf16: the CPU tests' bound
         # (tests/test_precision.py). A wrong step, scale or shard gives order 1.
         bound = 0.1 if bf16 else 1e-3
-        dev = train_case(stage, bf16, offload)
+        dev = train_case(stage, bf16, offload, compiled=compiled, optimizer=optimizer)
         name = f"train world 1 stage {stage}" + (" bf16" if bf16 else "") + \
-            (" offload" if offload else "")
+            (" offload" if offload else "") + (" compiled" if compiled else "") + \
+            (f" {optimizer}" if optimizer != "adamw" else "")
         check(name, dev < bound, f"deviation from plain PyTorch {dev:.2e} (< {bound})")
 
 
