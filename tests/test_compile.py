@@ -214,3 +214,63 @@ def test_stage3_attention_and_checkpoint_names(tmp_path):
         assert max_relative_error(state, eager_state)[0] <= 1e-5, how
     loaded = run_ranks(1, eager_load, root)[0]
     assert max_relative_error(loaded, eager_state)[0] <= 1e-5
+
+
+def bucket_cut_run(split: bool):
+    """Stage 2, a 6.3 MB stack of linears in 1.2 MB gradient buckets, compiled with a backend
+    that counts the graphs it is handed; returns (graphs, the order in which the first bucket's
+    reduction and the input's gradient happened, the trained weights)."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    torch._dynamo.config.optimize_ddp = split
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(len(gm.graph.nodes))
+        from torch._dynamo.backends.registry import lookup_backend
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(6)])
+    engine = zeroengine.initialize(
+        model, {"zero_optimization": {"stage": 2, "reduce_bucket_size": 300_000},
+                "compile": {"split_at_buckets": True}},  # on CPUs it is off by default
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    engine.module.compile(backend=counting)
+    events = []
+    start = engine.reducer._start_reduce
+
+    def record_start(bucket):
+        events.append("bucket")
+        return start(bucket)
+
+    engine.reducer._start_reduce = record_start
+    rank = engine.comm.rank
+    for step in range(2):
+        events.clear()
+        gen = torch.Generator().manual_seed(10 * step + rank)
+        x = torch.randn(4, 512, generator=gen, requires_grad=True)
+        x.register_hook(lambda g: events.append("input grad"))
+        engine.backward(engine(x).square().mean())
+        engine.step()
+    first = events.index("bucket") < events.index("input grad")
+    state = {k: v.clone() for k, v in engine.consolidated_state_dict().items()}
+    engine.close()
+    torch._dynamo.config.optimize_ddp = True
+    return len(graphs), first, state
+
+
+def test_compiled_stage2_reduces_buckets_during_backward():
+    """One AOTAutograd backward would make every gradient ready at its end; the engine cuts the
+    compiled graph at its buckets (as torch does for DDP), so the first bucket's reduction
+    starts before backward reaches the model's input. Numbers are those of the uncut graph."""
+    cut, whole = run_ranks(2, bucket_cut_run, True), run_ranks(2, bucket_cut_run, False)
+    for rank in range(2):
+        graphs, first, state = cut[rank]
+        # backward order, 1.05 MB per linear: 1 MiB first bucket, then two linears per bucket
+        assert graphs == 4, graphs
+        assert first, "the first bucket was reduced only after the whole backward"
+        graphs, first, uncut = whole[rank]
+        assert graphs == 1 and not first
+        err, where = max_relative_error(state, uncut)
+        assert err <= 1e-6, f"{where}: {err:.2e}"

@@ -237,6 +237,11 @@ class CompileConfig:
                           "or any registered one).")
     kwargs: dict = option({}, "torch.compile's other keyword arguments: mode, dynamic, "
                           "fullgraph, options.")
+    split_at_buckets: Optional[bool] = option(
+        None, "zeroengine's own: at stages 0-2 cut the compiled graph at the gradient buckets "
+        "(as torch does for compiled DDP), so each bucket's reduction starts while backward "
+        "still runs. null: on CUDA devices, off on CPUs, where the cut measured slower "
+        "(docs/compile.md).")
 
     @property
     def on(self) -> bool:

@@ -94,3 +94,67 @@ def check_compiled_autograd() -> None:
             "run as backward produces each gradient, which compiled autograd would trace into "
             "its graph; turn it off for the engine's backward (torch.compile of the forward "
             "still compiles the backward through AOTAutograd)")
+
+
+class BucketSplit:
+    """Compiled stages 0-2: one graph per gradient bucket, so reduction overlaps backward.
+
+    AOTAutograd turns a compiled forward into one backward node: every gradient of the graph
+    appears when that node finishes, so the engine's per-bucket reductions (started by
+    gradient hooks) would all start after the whole backward, overlapping nothing. Torch
+    solves this for DDP with its DDPOptimizer: while a DDP forward is active, dynamo cuts the
+    graph it traced into pieces of about DDP's bucket size (in backward order) and compiles
+    each with the user's backend, so each piece's gradients are ready as soon as its backward
+    ends. The engine asks for the same cut by standing in as the active DDP module for the
+    length of its forward (what torch's own ``replicate`` does) with its own bucket size; the
+    graph still counts as one (no graph break), and ``torch._dynamo.config.optimize_ddp =
+    False`` turns the cut off as it does for DDP. Stage 3 needs none: its per-module gathers
+    already cut the graph at every fetch unit.
+
+    DDPOptimizer sizes a parameter by its storage, and the engine's parameters are views into
+    one flat buffer each: every parameter would count as the whole buffer and the graph would
+    be cut at every parameter. For the length of the forward (when dynamo traces and cuts)
+    its sizing counts a parameter's own elements; where that method is absent (other torch
+    versions) the cut is left to torch as is.
+    """
+
+    def __init__(self, bucket_bytes: int):
+        # the one attribute dynamo reads; it must not be below DDP's first bucket (1 MiB), which
+        # dynamo cuts first
+        first = getattr(torch.distributed, "_DEFAULT_FIRST_BUCKET_BYTES", 1 << 20)
+        self.bucket_bytes_cap = max(bucket_bytes, first)
+        self._saved = None
+        self._sizing = None
+
+    def enter(self) -> None:
+        ddp = torch.nn.parallel.DistributedDataParallel
+        self._saved = ddp._active_ddp_module
+        ddp._active_ddp_module = self
+        try:
+            from torch._dynamo.backends.distributed import DDPOptimizer
+        except ImportError:
+            return
+        sizing = vars(DDPOptimizer).get("add_param")
+        if sizing is not None and not hasattr(sizing, "counts_own_bytes"):
+            self._sizing = (DDPOptimizer, sizing)
+            DDPOptimizer.add_param = _counting_own_bytes(sizing)
+
+    def leave(self) -> None:
+        torch.nn.parallel.DistributedDataParallel._active_ddp_module = self._saved
+        self._saved = None
+        if self._sizing is not None:
+            cls, sizing = self._sizing
+            cls.add_param = sizing
+            self._sizing = None
+
+
+def _counting_own_bytes(add_param):
+    """DDPOptimizer.add_param counting the parameter's own bytes, not its (shared) storage's."""
+
+    def counted(self, bucket, param, name) -> None:
+        before = bucket.size
+        add_param(self, bucket, param, name)
+        bucket.size = before + param.numel() * param.element_size()
+
+    counted.counts_own_bytes = True
+    return counted

@@ -23,7 +23,7 @@ import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad as _clip_module
 
-from .compiled import uncompiled
+from .compiled import BucketSplit, is_compiled, uncompiled
 from .optimizer_chain import OptimizerChain
 
 # id(parameter) -> the ShardedOptimizer stepping it; filled by the engine, emptied by close().
@@ -154,11 +154,14 @@ class ForwardGuard:
     as DDP does (``broadcast_buffers``)."""
 
     def __init__(self, module: torch.nn.Module, flat_groups, broadcast=None,
-                 check_ranks=None):
+                 check_ranks=None, split: BucketSplit | None = None):
         """``broadcast(tensors)``: sends rank 0's values of the tensors to every rank, or None
         to leave buffers alone. ``check_ranks()``: a collective check that every rank starts
-        the same kind of forward (stage 3, where every forward is collective), run first."""
+        the same kind of forward (stage 3, where every forward is collective), run first.
+        ``split``: cuts a compiled forward's graph at gradient buckets (compiled.BucketSplit)."""
         self.module = module
+        self.split = split
+        self.splitting = False
         self.broadcast = broadcast
         self.check_ranks = check_ranks
         self.where = {}  # id(param) -> (its flat group, index in it)
@@ -182,6 +185,9 @@ class ForwardGuard:
 
     def _leave(self, module, args, output) -> None:
         self.depth = max(0, self.depth - 1)
+        if self.depth == 0 and self.splitting:
+            self.split.leave()
+            self.splitting = False
 
     def __call__(self, module, args):
         self.depth += 1
@@ -195,10 +201,14 @@ class ForwardGuard:
             buffers = list(module.buffers())
             if buffers:
                 self.broadcast(buffers)
+        # only while dynamo may trace a training forward of the compiled model
+        if self.split is not None and torch.is_grad_enabled() and is_compiled(module):
+            self.split.enter()
+            self.splitting = True
 
     def refuse_outer_ddp(self) -> None:
         ddp = torch.nn.parallel.DistributedDataParallel._active_ddp_module
-        if ddp is not None and any(m is self.module for m in ddp.module.modules()):
+        if ddp is not None and not isinstance(ddp, BucketSplit) and any(m is self.module for m in ddp.module.modules()):
             raise RuntimeError(
                 "the model zeroengine manages is wrapped in torch's DistributedDataParallel, "
                 "which reduces the gradients a second time (the Hugging Face Trainer and "

@@ -122,7 +122,8 @@ class ZeroEngine:
         self.guard = ForwardGuard(
             module, self.flat_groups, self._broadcast_buffers if broadcast else None,
             check_ranks=self.fetcher.check_forward_start
-            if self.fetcher is not None and self.fetcher.check_ranks else None)
+            if self.fetcher is not None and self.fetcher.check_ranks else None,
+            split=self._bucket_split(config, comm, device))
         compiled.install(module)  # module.compile() compiles forward, keeping our hooks eager
         self.lr_scheduler = lr_scheduler
         # a scheduler over the optimizer given now drives the engine's (the same group dicts);
@@ -134,6 +135,18 @@ class ZeroEngine:
 
     def _managed_params(self) -> list[torch.nn.Parameter]:
         return [p for fg in self.flat_groups for p in fg.params]
+
+    def _bucket_split(self, config, comm, device) -> compiled.BucketSplit | None:
+        """Where a compiled forward is cut at gradient buckets: stages 0-2 with more than one
+        rank and overlap on (stage 3's fetch units already cut it), by default on CUDA only."""
+        zero, wanted = config.zero_optimization, config.compile.split_at_buckets
+        if wanted is None:
+            wanted = device.type == "cuda"
+        if not wanted or self.sharding.parameters or comm.world_size == 1 \
+                or not zero.overlap_comm:
+            return None
+        itemsize = max((p.element_size() for p in self._managed_params()), default=4)
+        return compiled.BucketSplit(max(1, zero.reduce_bucket_size) * itemsize)
 
     def close(self) -> None:
         """Remove every hook the engine put on the model and its parameters; close the
