@@ -66,7 +66,9 @@ if os.environ.get("ZEROENGINE_NO_EXT") != "1":
                     # sqrt may only be vectorised when it need not set errno; no contraction
                     # of a*b+c into one rounding: torch rounds them apart (adam_coefficients.h)
                     ("_cpu_adam_ext", "csrc/adam/cpu_adam.cpp",
-                     ["-fno-math-errno", "-ffp-contract=off"])]:
+                     ["-fno-math-errno", "-ffp-contract=off"]),
+                    # x / scale and q * scale rounded as torch rounds them (quant_common.h)
+                    ("_quant_ext", "csrc/quant/quantize.cpp", ["-ffp-contract=off"])]:
                 ext_modules.append(CppExtension(
                     f"zeroengine.{name}", [source],
                     extra_compile_args=["-O3", "-fopenmp", *flags],

@@ -183,7 +183,8 @@ def test_check_config_reports_how_each_key_is_read(tmp_path, capsys):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({
         "zero_optimization": {"stage": 3, "max_live_parameters": 5,
-                              "contiguous_gradients": True, "zero_quantized_weights": False},
+                              "contiguous_gradients": True,
+                              "zero_quantized_nontrainable_weights": False},
         "prescale_gradients": False, "cuda_visible_devices": "0"}))
     assert main(["check-config", str(path)]) == 0
     err = capsys.readouterr().err
@@ -193,6 +194,7 @@ def test_check_config_reports_how_each_key_is_read(tmp_path, capsys):
     assert rows["zero_optimization.max_live_parameters"] == \
         "used (as stage3_max_live_parameters)"
     assert rows["zero_optimization.contiguous_gradients"].startswith("accepted, no effect")
-    assert rows["zero_optimization.zero_quantized_weights"] == "accepted: the feature is off"
+    assert rows["zero_optimization.zero_quantized_nontrainable_weights"] == \
+        "accepted: the feature is off"
     assert rows["prescale_gradients"].startswith("accepted, no effect here")
     assert rows["cuda_visible_devices"] == "ignored: unknown top-level key"

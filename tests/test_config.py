@@ -71,8 +71,8 @@ def test_integral_floats_accepted_for_sizes():
 
 
 def test_unsupported_deepspeed_keys_say_so():
-    refused({"zero_optimization": {"zero_quantized_weights": True}},
-            "'zero_optimization.zero_quantized_weights': quantized weights",
+    refused({"zero_optimization": {"zero_quantized_nontrainable_weights": True}},
+            "'zero_optimization.zero_quantized_nontrainable_weights': quantized non-trainable",
             "does not implement", "remove it")
 
 
@@ -350,10 +350,10 @@ def test_unknown_top_level_keys_close_to_nothing_are_reported_and_ignored(notice
 
 
 @pytest.mark.parametrize("raw,off", [
-    ({"zero_optimization": {"zero_quantized_weights": True}},
-     {"zero_optimization": {"zero_quantized_weights": False}}),
-    ({"zero_optimization": {"zero_hpz_partition_size": 8}},
-     {"zero_optimization": {"zero_hpz_partition_size": 1}}),
+    ({"zero_optimization": {"zero_quantized_nontrainable_weights": True}},
+     {"zero_optimization": {"zero_quantized_nontrainable_weights": False}}),
+    ({"zero_optimization": {"zeropp_loco_param": {"err_beta": 0.8}}},
+     {"zero_optimization": {"zeropp_loco_param": None}}),
     ({"tensor_parallel": {"autotp_size": 2}}, {"tensor_parallel": {"autotp_size": 1}}),
     ({"amp": {"enabled": True}}, {"amp": {"enabled": False}}),
     ({"zero_optimization": {"zenflow": {"topk_ratio": 0.1}}}, {"zero_optimization": {}}),

@@ -27,6 +27,7 @@ from .core.sharding import Sharding
 from .core.zero_init import zero_init
 from .dist.comm import Comm, init_distributed
 from .dist.consistency import RankMismatchError, check_rank_consistency
+from .dist.topology import build_topology, resolve_hpz_size, resolve_shard_size
 
 _install_drop_in()  # torch.nn.utils.clip_grad_norm_ learns the engine's sharded gradients
 __all__ = ["initialize", "init_distributed", "gathered_parameters", "zero_init", "ZeroEngine",
@@ -138,7 +139,20 @@ def initialize(model: nn.Module, config, optimizer: torch.optim.Optimizer | None
         lr_scheduler = scheduler_from_config(cfg.scheduler, optimizer)
     else:
         _passed_and_configured("scheduler", "an lr_scheduler", lr_scheduler, cfg.scheduler)
-    engine = ZeroEngine(model, optimizer, cfg, comm, device, lr_scheduler)
+    zero = cfg.zero_optimization
+    shard_size = resolve_shard_size(zero.mics_shard_size, comm.world_size, zero.stage)
+    hpz_size = resolve_hpz_size(zero.zero_hpz_partition_size, comm.world_size, zero.stage,
+                                shard_size)
+    if zero.zero_quantized_weights and zero.stage != 3:
+        raise ConfigError("zero_optimization.zero_quantized_weights quantizes stage 3's "
+                          f"parameter all-gathers, but the stage is {zero.stage}: use stage 3, "
+                          "or drop the key")
+    if zero.zero_quantized_gradients and zero.stage == 0:
+        raise ConfigError("zero_optimization.zero_quantized_gradients quantizes the gradient "
+                          "reduce-scatter of stages 1-3; stage 0 all-reduces: use stage 1-3, "
+                          "or drop the key")
+    engine = ZeroEngine(model, optimizer, cfg, comm, device, lr_scheduler,
+                        topology=build_topology(comm, shard_size, hpz_size))
     if cfg.compile.on:
         engine.compile(cfg.compile.backend, cfg.compile.kwargs)
     return engine

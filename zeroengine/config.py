@@ -132,6 +132,29 @@ class ZeroConfig:
         "with an error saying what each rank was doing, instead of a collective size mismatch, "
         "a hang, or - when the sizes happen to agree - silently mixed parameters. The start of "
         "every forward is checked regardless. false: skip the per-gather exchange.")
+    mics_shard_size: int = option(
+        -1, "Hybrid sharding (stages 1-3): shard the model states over groups of this many "
+        "ranks and replicate them across the groups. Gradients are reduce-scattered inside a "
+        "group and only each rank's 1/K shard is all-reduced across groups; parameters are "
+        "gathered inside the group. With a group per node, inter-node traffic drops to 1/K "
+        "of plain ZeRO's, for K/N more memory per rank (docs/hybrid.md). -1: one group of all "
+        "ranks (plain ZeRO). \"auto\": the ranks of one node (the launcher's "
+        "LOCAL_WORLD_SIZE). DeepSpeed's MiCS key.", lo=-1, auto=True)
+    zero_hpz_partition_size: int = option(
+        1, "Stage 3 (ZeRO++ hpZ): keep a secondary copy of the parameters sharded over the "
+        "ranks of one node (this many): after a segment's first all-gather in a step, the "
+        "backward's and later micro-steps' gathers of it stay inside the node. Costs 1/K of "
+        "the parameters per rank. 1: off. \"auto\": the ranks of one node.", lo=0, auto=True)
+    zero_quantized_weights: bool = option(
+        False, "Stage 3 (ZeRO++ qwZ): all-gather the model's parameter segments as blockwise "
+        "int8 (256 elements per fp32 scale): 0.51x the bytes of bf16, 0.25x of fp32. Each "
+        "weight the forward and backward use is within max|its block|/254 of the master's "
+        "value; the fp32 masters and the optimizer stay exact (docs/hybrid.md).")
+    zero_quantized_gradients: bool = option(
+        False, "Stages 1-3 (ZeRO++ qgZ): reduce-scatter gradient buckets as blockwise int8, "
+        "one all-to-all, summed in fp32 by the owner: each rank's contribution within "
+        "max|its block|/254 (docs/hybrid.md). With mics_shard_size the all-reduce across "
+        "groups stays exact.")
     stage3_leaf_modules: list = option(
         [], "Stage 3: module class names (e.g. \"MixtralSparseMoeBlock\") fetched as one unit: "
         "entering such a module gathers every parameter under it, and its children are not "

@@ -64,17 +64,8 @@ REFUSED: dict[str, tuple[str, Callable[[Any], bool]]] = {
                        x is None for x in v.values()))),
     "fp32_allreduce": ("say \"communication_data_type\": \"fp32\" instead", _equals(False)),
     "zero_optimization.zenflow": ("ZenFlow is " + _FEATURE, _disabled),
-    "zero_optimization.zero_hpz_partition_size": ("hierarchical partitioning (ZeRO++ hpZ) is "
-                                                  + _FEATURE, _equals(0, 1)),
-    "zero_optimization.zero_quantized_weights": ("quantized weights (ZeRO++ qwZ) are "
-                                                 + _FEATURE, _equals(False)),
     "zero_optimization.zero_quantized_nontrainable_weights": (
         "quantized non-trainable weights are " + _FEATURE, _equals(False)),
-    "zero_optimization.zero_quantized_gradients": ("quantized gradients (ZeRO++ qgZ) are "
-                                                   + _FEATURE, _equals(False)),
-    "zero_optimization.mics_shard_size": ("MiCS sharding is " + _FEATURE, _equals(-1, 0)),
-    "zero_optimization.mics_hierarchical_params_gather": ("MiCS is " + _FEATURE,
-                                                          _equals(False)),
     "zero_optimization.zeropp_loco_param": ("ZeRO++ LoCo is " + _FEATURE, _disabled),
     "zero_optimization.leaf_module": ("DeepSpeed's leaf_module section: name the classes in "
                                       "zero_optimization.stage3_leaf_modules instead",
@@ -123,6 +114,9 @@ NO_EFFECT: dict[str, str] = {
                                   "sync_before_allgather", "sync_after_allgather",
                                   "keep_int_input_tensors", "keep_all_input_tensors",
                                   "free_activation_threshold", "offload_activation_pin_memory")},
+    "zero_optimization.mics_hierarchical_params_gather": "with mics_shard_size the "
+        "parameters are gathered inside the group only: nothing crosses groups to gather "
+        "hierarchically",
     "comms_config": _INTERNAL, "disable_allgather": _INTERNAL,
     **{f"zero_optimization.{k}": _INTERNAL for k in (
         "stage3_module_granularity_threshold", "module_granularity_threshold",

@@ -15,10 +15,14 @@ void cuda_flatten_into(const std::vector<at::Tensor>& tensors, at::Tensor flat,
                        const std::vector<int64_t>& offsets);
 void cuda_unflatten_from(at::Tensor flat, const std::vector<at::Tensor>& tensors,
                          const std::vector<int64_t>& offsets);
+void cuda_quantize_int8(at::Tensor x, at::Tensor q, at::Tensor scales, int64_t block);
+void cuda_dequantize_int8(at::Tensor q, at::Tensor scales, at::Tensor out, int64_t block,
+                          bool accumulate);
 }  // namespace zeroengine
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "zeroengine CUDA kernels: multi-tensor fused Adam/AdamW and flatten/unflatten";
+  m.doc() = "zeroengine CUDA kernels: multi-tensor fused Adam/AdamW, flatten/unflatten and "
+          "blockwise int8 quantization";
   m.def("fused_adam", &zeroengine::fused_adam,
         "Adam/AdamW over fp32 masters with gradient unscale, inf/NaN check and low-precision "
         "copy-out in one pass",
@@ -30,4 +34,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("tensors"), py::arg("flat"), py::arg("offsets"));
   m.def("unflatten_from", &zeroengine::cuda_unflatten_from, "t = flat[off:off+n] for each tensor",
         py::arg("flat"), py::arg("tensors"), py::arg("offsets"));
+  m.def("quantize_int8", &zeroengine::cuda_quantize_int8,
+        "blockwise symmetric int8: q = round(x / (max|block| / 127)), one fp32 scale per block",
+        py::arg("x"), py::arg("q"), py::arg("scales"), py::arg("block"));
+  m.def("dequantize_int8", &zeroengine::cuda_dequantize_int8,
+        "out (+)= q * the scale of its block", py::arg("q"), py::arg("scales"), py::arg("out"),
+        py::arg("block"), py::arg("accumulate"));
 }

@@ -103,8 +103,11 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None,
     names = _names(engine)
     tensors: dict[str, torch.Tensor] = {}
     groups_meta = []
+    # hybrid sharding: every shard group holds the same states; the first one writes them
+    # (its ranks are world ranks 0..K-1, so the files read as a K-rank checkpoint's)
+    writes_states = engine.topology.shard_group_index == 0
     for gi, fg in enumerate(engine.flat_groups):
-        if fg.layout.world_size == 1 and comm.rank != 0:
+        if (fg.layout.world_size == 1 and comm.rank != 0) or not writes_states:
             continue  # stage 0: one owner, rank 0 writes for all
         owned = engine.optimizer.owned.get(gi)
         if owned is None:
@@ -207,6 +210,7 @@ def _meta(engine, names, groups_meta, files, tag) -> dict:
     return {
         "format": fmt.FORMAT_VERSION, "zeroengine": __version__, "tag": tag,
         "stage": engine.stage, "world_size": engine.comm.world_size,
+        "shard_group_size": engine.topology.shard.world_size,
         "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
         "optimizer_steps": opt.steps, "skipped_steps": opt.skipped_steps,
         "loss_scaler": _jsonable(scaler.state_dict()) if scaler is not None else None,

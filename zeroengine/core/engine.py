@@ -34,7 +34,9 @@ import torch.nn as nn
 
 from ..config import AUTO, Config
 from ..dist.comm import Comm
+from ..dist.topology import Topology
 from ..monitor import Monitor
+from ..ops.quantize import DEFAULT_BLOCK as QUANT_BLOCK
 from . import compiled, gathered
 from .compiled import uncompiled
 from .drop_in import ForwardGuard, redirect_optimizer, register_parameters, unregister_parameters
@@ -52,10 +54,14 @@ logger = logging.getLogger("zeroengine")
 
 class ZeroEngine:
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, config: Config,
-                 comm: Comm, device: torch.device, lr_scheduler=None):
+                 comm: Comm, device: torch.device, lr_scheduler=None,
+                 topology: Topology | None = None):
         self.module = module
         self.config = config
         self.comm = comm
+        # hybrid sharding: states sharded over topology.shard, replicated across groups
+        self.topology = topology or Topology.plain(comm)
+        shard = self.topology.shard
         self.device = device
         self.stage = config.zero_optimization.stage
         self.sharding = Sharding.of_stage(self.stage)
@@ -79,7 +85,8 @@ class ZeroEngine:
         self._broadcast_module_state()  # every rank starts from rank 0's values, as in DDP
         order = {id(p): i for i, p in enumerate(module.parameters())}
         self.flat_groups = lay_out_parameters(module, optimizer, order, self.sharding, comm,
-                                              zero, self.precision, device, self._pin)
+                                              zero, self.precision, device, self._pin,
+                                              shard=shard)
         if self.precision.mixed:
             self._cast_rest_of_module(self.precision.compute)
         partitioned = [fg for fg in self.flat_groups if fg.partitioned]
@@ -90,7 +97,9 @@ class ZeroEngine:
         # steps, publishes through the offload and has the fetcher refresh what is gathered.
         window = auto_window(partitioned)
         self.fetcher = ParamFetcher(
-            module, partitioned, comm,
+            module, partitioned, comm, gather_comm=shard,
+            secondary_comm=self.topology.secondary,
+            quantize_block=QUANT_BLOCK if zero.zero_quantized_weights else 0,
             prefetch_numel=window if zero.stage3_prefetch_bucket_size == AUTO
             else zero.stage3_prefetch_bucket_size,
             max_reuse_numel=window if zero.stage3_max_reuse_distance == AUTO
@@ -103,12 +112,14 @@ class ZeroEngine:
             if self.offload_optimizer else None
         scaler = LossScaler.from_config(config.fp16) if config.fp16.enabled else None
         self.reducer = GradReducer(
-            self.flat_groups, comm, self.sharding, ReduceSettings(
+            self.flat_groups, shard, self.sharding, ReduceSettings(
                 self.gradient_accumulation_steps, zero.overlap_comm, zero.reduce_scatter,
-                reduce_dtype, loss_scaled=scaler is not None),
-            param_order=order, fetcher=self.fetcher, offload=self.offload)
+                reduce_dtype, loss_scaled=scaler is not None,
+                quantize_block=QUANT_BLOCK if zero.zero_quantized_gradients else 0),
+            param_order=order, fetcher=self.fetcher, offload=self.offload,
+            replicas=self.topology.replicas)
         self.optimizer = ShardedOptimizer(
-            optimizer, self.flat_groups, self.reducer, comm, sharding=self.sharding,
+            optimizer, self.flat_groups, self.reducer, shard, sharding=self.sharding,
             settings=StepSettings(config.gradient_clipping, zero.allgather_bucket_size,
                                   zero.sub_group_size, config.on_nonfinite),
             loss_scaler=scaler, offload=self.offload, fetcher=self.fetcher,
@@ -348,8 +359,20 @@ class ZeroEngine:
         return report
 
     def comm_report(self, reset: bool = True) -> dict[str, dict[str, int]]:
-        """Bytes this rank sent/received per collective kind since the last call."""
-        return self.comm.report(reset)
+        """Bytes this rank sent/received per collective kind since the last call. Hybrid
+        sharding: kinds inside the shard group are named as in a plain run, the all-reduce
+        across groups ``all_reduce@replica_group`` (the traffic that crosses nodes)."""
+        out = self.comm.report(reset)
+        for name, comm in self.topology.comms().items():
+            if name == "world":
+                continue
+            for kind, counts in comm.report(reset).items():
+                key = kind if name == "shard_group" else f"{kind}@{name}"
+                if key in out:
+                    out[key] = {k: out[key][k] + v for k, v in counts.items()}
+                else:
+                    out[key] = counts
+        return out
 
     # -- checkpoints (sharded.py) ------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None,
@@ -381,7 +404,7 @@ class ZeroEngine:
         """Collective: on every rank, the full fp32 state dict with model.state_dict()'s keys."""
         full_values: dict[int, torch.Tensor] = {}
         for fg in self.flat_groups:
-            full = fg.full_fp32(self.comm)
+            full = fg.full_fp32(self.topology.shard)
             for i, p in enumerate(fg.params):
                 slot = fg.layout.slots[i]
                 full_values[id(p)] = full[slot.offset:slot.offset + slot.numel].view(slot.shape)

@@ -49,6 +49,9 @@ class Bucket:
         self.staging: torch.Tensor | None = None  # no full buffer: the segment's gradients
         self.handle: Handle | None = None  # its collective, while in flight
         self.finish = None  # callable run after the handle completes
+        # hybrid sharding: the group's reduced chunk, to be all-reduced across the groups once
+        # the reduce-scatter inside the group is done (then None: the second phase is on)
+        self.cross: torch.Tensor | None = None
 
     @property
     def complete(self) -> bool:
@@ -82,6 +85,7 @@ class ReduceSettings:
     reduce_scatter: bool  # zero_optimization.reduce_scatter (False: all-reduce, keep own part)
     reduce_dtype: torch.dtype | None  # communication_data_type (None: each group's dtype)
     loss_scaled: bool  # fp16: a backward outside engine.backward lacks the loss scale
+    quantize_block: int = 0  # > 0: reduce-scatter as blockwise int8 (ZeRO++ qgZ)
 
 
 class GradReducer:
@@ -91,9 +95,13 @@ class GradReducer:
 
     def __init__(self, groups: list[FlatParamGroup], comm: Comm, sharding: Sharding,
                  settings: ReduceSettings, *, param_order: dict[int, int] | None = None,
-                 fetcher=None, offload=None):
+                 fetcher=None, offload=None, replicas: Comm | None = None):
+        """``comm``: the ranks a group is sharded over; ``replicas`` (hybrid sharding): the
+        ranks holding the same shard in the other shard groups, across which each reduced
+        chunk is all-reduced (only the rank's 1/K of the gradient crosses groups)."""
         self.groups = groups
         self.comm, self.sharding, self.settings = comm, sharding, settings
+        self.replicas = replicas
         self.reduce_dtype = settings.reduce_dtype
         self.fetcher, self.offload = fetcher, offload
         # Per-flat-group lists are indexed by position in ``groups``; one optimizer group can own
@@ -328,9 +336,15 @@ class GradReducer:
             owned = self.owned_chunk(g, b.segment)
             accumulate = self.state.owned_valid[gi] and self.owned[gi] is not None
             out = torch.empty_like(owned) if accumulate else owned
-            b.handle = self.comm.reduce_scatter(out, source, "avg", async_op=True,
-                                                via_all_reduce=not self.settings.reduce_scatter,
-                                                what=what)
+            if self.settings.quantize_block:
+                b.handle = self.comm.reduce_scatter_quantized(
+                    out, source, self.settings.quantize_block, "avg", async_op=True, what=what)
+            else:
+                b.handle = self.comm.reduce_scatter(
+                    out, source, "avg", async_op=True,
+                    via_all_reduce=not self.settings.reduce_scatter, what=what)
+            if self.replicas is not None:
+                b.cross = out
             if accumulate:
                 after = lambda: owned.add_(out)  # noqa: E731
         b.finish = after
@@ -356,6 +370,15 @@ class GradReducer:
 
     def _finish_reduce(self, b: Bucket) -> None:
         b.handle.wait()
+        if b.cross is not None:
+            # hybrid: the group's mean is in; average it with the other groups' (the same
+            # chunk on each), asynchronously. The bucket stays in flight for this phase.
+            chunk, b.cross = b.cross, None
+            b.handle = self.replicas.all_reduce(
+                chunk, "avg", async_op=True,
+                what=lambda: f"gradient bucket {b.segment} of param group "
+                f"{b.group.group_index} across shard groups")
+            return
         if b.finish is not None:
             b.finish()
         if self.offload is not None and self.sharding.optimizer_state:

@@ -56,6 +56,8 @@ class _Gathered:
     refs: int = 0  # module forward calls holding it
     user_refs: int = 0  # gathered_parameters blocks holding it
     in_backward: bool = False  # gathered for a backward computation
+    exact: bool = True  # False: gathered int8-quantized (qwZ); a user block regathers it
+    keep_secondary: bool = False  # hpZ: once gathered, keep the node's slice (see _wait)
 
     @property
     def held(self) -> bool:
@@ -77,11 +79,19 @@ class _Order:
 class ParamFetcher:
     def __init__(self, module: nn.Module, groups: list[FlatParamGroup], comm: Comm, *,
                  prefetch_numel: int, max_live_numel: int, max_reuse_numel: int,
-                 check_order: bool = True, leaf_modules=()):
+                 check_order: bool = True, leaf_modules=(), gather_comm: Comm | None = None,
+                 secondary_comm: Comm | None = None, quantize_block: int = 0):
         """``prefetch_numel``: most elements gathered ahead of use; ``max_live_numel``: most
         gathered at once; ``max_reuse_numel``: a segment whose next use (along the recorded
         order) comes within this many gathered elements is kept instead of released. The
-        config's stage3_* keys, resolved from the model when "auto" (see ``auto_window``)."""
+        config's stage3_* keys, resolved from the model when "auto" (see ``auto_window``).
+        ``comm``: every rank (checks, write-backs); ``gather_comm``: the ranks a segment is
+        sharded over (hybrid sharding: the rank's shard group; default ``comm``).
+        ``secondary_comm`` (ZeRO++ hpZ): the ranks of this rank's node; after a segment's first
+        gather in a step each rank keeps the node's 1/K slice of it, and later gathers until
+        the step (backward, the next micro-steps' forwards) gather those slices inside the
+        node. ``quantize_block`` (ZeRO++ qwZ): > 0 gathers the model's segments as blockwise
+        int8 with one scale per this many elements (user gathers stay exact)."""
         self.groups = groups
         # Every forward starts with a cross-rank check (cheap: one per forward); checking
         # before every gather too catches a branch taken on one rank, at a price (see config).
@@ -91,6 +101,11 @@ class ParamFetcher:
             comm.open_check_group()
         self._checks = 0  # gathers compared across ranks so far
         self.comm = comm
+        self.gather_comm = gather_comm or comm
+        self.secondary_comm = secondary_comm
+        self.quantize_block = quantize_block
+        self.secondary: dict[Key, torch.Tensor] = {}  # hpZ: the node's slice of a segment
+        self.secondary_gathers = 0  # gathers served inside the node (for tests and reports)
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
         self.max_reuse_numel = max_reuse_numel
@@ -218,14 +233,42 @@ class ParamFetcher:
                                              async_op=True)
         full = g.segment_full[s]
         full.untyped_storage().resize_(full.numel() * full.element_size())
-        # CUDA: prefetches complete on their own side stream, tracked apart from on-demand
-        # gathers (NCCL still runs the collectives of one communicator in issue order)
-        entry = _Gathered(self.comm.all_gather(
-            full, g.chunk_on_device(s), async_op=True, role=PREFETCH if prefetch else GATHER,
-            what=lambda: f"stage-3 parameters {self._names_of(key)}"), verify=verify)
+        entry = self._gather_into(key, full, g.chunk_on_device(s), prefetch, user)
+        entry.verify = verify
         self.gathered[key] = entry
         self.gathers += 1
         return entry
+
+    def _gather_into(self, key: Key, full: torch.Tensor, chunk: torch.Tensor, prefetch: bool,
+                     user: bool) -> _Gathered:
+        """Start filling ``full`` (a segment) by the cheapest way that gives the model what it
+        needs: the node's slices (hpZ, after the step's first gather), else every rank's
+        chunk - int8 with qwZ - over the shard group. A user block always gets exact values."""
+        # CUDA: prefetches complete on their own side stream, tracked apart from on-demand
+        # gathers (NCCL still runs the collectives of one communicator in issue order)
+        role = PREFETCH if prefetch else GATHER
+        what = lambda: f"stage-3 parameters {self._names_of(key)}"  # noqa: E731
+        slice_ = self.secondary.get(key)
+        if slice_ is not None:
+            self.secondary_gathers += 1
+            return _Gathered(self.secondary_comm.all_gather(full, slice_, async_op=True,
+                                                            role=role, what=what))
+        quantized = self.quantize_block > 0 and not user
+        if quantized:
+            handle = self.gather_comm.all_gather_quantized(full, chunk, self.quantize_block,
+                                                           async_op=True, role=role, what=what)
+        else:
+            handle = self.gather_comm.all_gather(full, chunk, async_op=True, role=role,
+                                                 what=what)
+        return _Gathered(handle, exact=not quantized,
+                         keep_secondary=self.secondary_comm is not None)
+
+    def _keep_secondary(self, key: Key) -> None:
+        """hpZ: keep this rank's slice of the node's split of a freshly gathered segment."""
+        full = self.groups[key[0]].segment_full[key[1]]
+        node = self.secondary_comm
+        n = full.numel() // node.world_size
+        self.secondary[key] = full[node.rank * n:(node.rank + 1) * n].clone()
 
     def _purpose(self) -> int:
         if self._phase == "backward":
@@ -293,6 +336,14 @@ class ParamFetcher:
         elif entry.handle is not None:
             self.prefetch_hits += 1  # requested while its prefetched all-gather was under way
         self._wait(entry)
+        if entry.keep_secondary:
+            entry.keep_secondary = False
+            if key not in self.secondary:  # (dequantized values, with qwZ: as forward saw)
+                self._keep_secondary(key)
+        if user and not entry.exact:  # quantized for the model: the user sees exact values
+            g = self.groups[key[0]]
+            self.gather_comm.all_gather(g.segment_full[key[1]], g.chunk_on_device(key[1]))
+            entry.exact = True
         if self._recording is not None:
             self._recording[self._phase].add(key)
         elif not user:
@@ -382,14 +433,16 @@ class ParamFetcher:
 
     def refresh_gathered(self) -> None:
         """After an optimizer step: segments still gathered (held across the step) would show
-        stale values; gather them again from the updated shards."""
+        stale values; gather them again from the updated shards. hpZ's node slices are stale
+        too: the next gather of each segment goes to the shard group again."""
+        self.secondary.clear()
         for key, entry in self.gathered.items():
             self._wait(entry)
             g = self.groups[key[0]]
             if self.check_order:
                 self._check_same_gather(key, _REFRESH)
             # synchronous: user code holding the segment reads the parameters directly
-            self.comm.all_gather(g.segment_full[key[1]], g.chunk_on_device(key[1]))
+            self.gather_comm.all_gather(g.segment_full[key[1]], g.chunk_on_device(key[1]))
             entry.handle = None
             self.gathers += 1
 

@@ -20,11 +20,13 @@ from .zero_init import is_sharded, make_whole, materialize
 def lay_out_parameters(module: nn.Module, optimizer: torch.optim.Optimizer,
                        order: dict[int, int], sharding: Sharding, comm: Comm, zero: ZeroConfig,
                        precision: Precision, device: torch.device,
-                       pin: bool) -> list[FlatParamGroup]:
+                       pin: bool, shard: Comm | None = None) -> list[FlatParamGroup]:
     """One FlatParamGroup per (optimizer group, dtype); at stage 3 split further into
     parameters kept whole (below stage3_param_persistence_threshold elements) and
-    partitioned ones, whose segments follow the modules that hold them."""
-    shard_world = comm.world_size if sharding.optimizer_state else 1
+    partitioned ones, whose segments follow the modules that hold them. ``shard``: the ranks
+    the states are sharded over (hybrid sharding: a group of ``comm``; default ``comm``)."""
+    shard = shard or comm
+    shard_world = shard.world_size if sharding.optimizer_state else 1
     bucket = max(1, zero.reduce_bucket_size)  # 0 (DeepSpeed accepts it): one parameter each
     offload_master = zero.offload_optimizer.device == "cpu"
     owner: dict[int, int] = {}  # parameter -> index of the first module holding it
@@ -59,7 +61,7 @@ def lay_out_parameters(module: nn.Module, optimizer: torch.optim.Optimizer,
                                key=lambda p: (-owner[id(p)], -order[id(p)]))
                 if split:
                     groups.append(FlatParamGroup(
-                        split, gi, comm.rank, shard_world, bucket,
+                        split, gi, shard.rank, shard_world, bucket,
                         device, compute_dtype=dtype, partitioned=True,
                         units=[owner[id(p)] for p in split], value_of=value_of,
                         offload_master=offload_master,
@@ -68,7 +70,7 @@ def lay_out_parameters(module: nn.Module, optimizer: torch.optim.Optimizer,
                         if is_sharded(p):
                             del p._ze_slice  # its values now live in the group's shard
             if whole:
-                groups.append(FlatParamGroup(whole, gi, comm.rank, shard_world,
+                groups.append(FlatParamGroup(whole, gi, shard.rank, shard_world,
                                              bucket, device,
                                              compute_dtype=dtype,
                                              offload_master=offload_master, pin=pin))

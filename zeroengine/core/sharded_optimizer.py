@@ -310,7 +310,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             in_flight = self.publish([(fi, s) for s in segments], set(), in_flight)
         for handle, _ in in_flight:
             handle.wait()
-        if self.fetcher is not None and self.fetcher.gathered:
+        if self.fetcher is not None and (self.fetcher.gathered or self.fetcher.secondary):
             if self.offload is not None:
                 self.offload.finish_step()  # refreshed segments read the updated chunks
             self.fetcher.refresh_gathered()

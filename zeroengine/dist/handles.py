@@ -36,6 +36,13 @@ class Handle:
         self._keep = keep  # tensors the side stream uses, alive until waited for
         self.context: tuple | None = None  # (comm, op, what, step), to explain a failure
 
+    def then(self, fn: Callable[[], None]) -> "Handle":
+        """Run ``fn`` after the work and any earlier fix-up, at ``wait`` (e.g. unpack what a
+        quantized collective received). Returns self."""
+        before = self._after
+        self._after = fn if before is None else lambda: (before(), fn())
+        return self
+
     def done(self) -> bool:
         """True once wait() would not block (but for the fix-up, which wait runs)."""
         if self._event is not None:
