@@ -144,6 +144,29 @@ def check_flatten(ext) -> None:
               f"{len(tensors)} tensors in one call")
 
 
+# -- 3b. int8 quantization (qwZ / qgZ wire format) -----------------------------------------------
+def check_quantize() -> None:
+    """The kernel's bytes equal the PyTorch fallback's (ops/quantize.py), bf16 and fp32."""
+    from zeroengine.ops import quantize as qz
+    gen = torch.Generator(device=DEVICE).manual_seed(2)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(1_000_003, device=DEVICE, generator=gen) * 3).to(dtype)
+        x[:512] = 0  # all-zero blocks
+        q, s = qz.quantize(x, 256)
+        saved = qz._kernels
+        qz._kernels = lambda t: None  # the fallback
+        try:
+            fq, fs = qz.quantize(x, 256)
+            fout = qz.dequantize(fq, fs, torch.empty(x.numel(), device=DEVICE), 256)
+        finally:
+            qz._kernels = saved
+        out = qz.dequantize(q, s, torch.empty(x.numel(), device=DEVICE), 256)
+        bound = qz.error_bound(x, 256)
+        ok = torch.equal(q, fq) and torch.equal(s, fs) and torch.equal(out, fout) and \
+            bool(((out - x.float()).abs() <= bound * (1 + 1e-4)).all())
+        check(f"int8 quantize kernel {dtype}", ok, "same bytes as the fallback, within bound")
+
+
 # -- 4. side streams -----------------------------------------------------------------------------
 def check_streams() -> None:
     from zeroengine.dist.handles import GATHER, Handle, copy_async
@@ -307,7 +330,8 @@ def main() -> None:
         global DEVICE
         DEVICE = "cpu"
         for name, fn in [("fused adam", lambda: check_fused_adam(None)),
-                         ("flatten", lambda: check_flatten(None)), ("training", check_training)]:
+                         ("flatten", lambda: check_flatten(None)), ("quantize", check_quantize),
+                         ("training", check_training)]:
             fn()
         print(f"dry run: {len(RESULTS['checks']) - len(FAILED)} of {len(RESULTS['checks'])} "
               "checks passed")
@@ -320,7 +344,8 @@ def main() -> None:
     RESULTS["torch"] = torch.__version__
     ext = build_kernels()
     for name, fn in [("fused adam", lambda: check_fused_adam(ext)),
-                     ("flatten", lambda: check_flatten(ext)), ("streams", check_streams),
+                     ("flatten", lambda: check_flatten(ext)), ("quantize", check_quantize),
+                     ("streams", check_streams),
                      ("training", check_training)]:
         try:
             fn()

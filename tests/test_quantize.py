@@ -43,7 +43,8 @@ def test_kernel_equals_fallback_within_bound(n, block, dtype, scale, seed):
     fback = fallback(lambda: qz.dequantize(q, s, torch.empty(n), block))
     assert torch.equal(back, fback)
     bound = qz.error_bound(x, block)
-    assert ((back - x.float()).abs() <= bound * (1 + 1e-6) + 1e-45).all()
+    # scale / 2, plus float32's rounding of x / scale and q * scale (<= 127 ulps of the scale)
+    assert ((back - x.float()).abs() <= bound * (1 + 1e-4) + 1e-45).all()
     acc = torch.ones(n, dtype=dtype)
     qz.dequantize(q, s, acc, block, accumulate=True)
     facc = fallback(lambda: qz.dequantize(q, s, torch.ones(n, dtype=dtype), block,

@@ -3,7 +3,8 @@
 // quantizes its elements. Same arithmetic as csrc/quant/quantize.cpp and the PyTorch
 // fallback (zeroengine/ops/quantize.py), so all three give the same bytes.
 #include <torch/extension.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include "../common/quant_common.h"
@@ -64,7 +65,7 @@ void cuda_quantize_int8(at::Tensor x, at::Tensor q, at::Tensor scales, int64_t b
               "scales must be float32 with one element per block");
   if (n == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
-  auto stream = at::cuda::getCurrentCUDAStream();
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_int8", [&] {
     quantize_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
         x.data_ptr<scalar_t>(), q.data_ptr<int8_t>(), scales.data_ptr<float>(), n, block);
@@ -83,7 +84,7 @@ void cuda_dequantize_int8(at::Tensor q, at::Tensor scales, at::Tensor out, int64
               "scales must be float32 with one element per block");
   if (n == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
-  auto stream = at::cuda::getCurrentCUDAStream();
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "dequantize_int8", [&] {
     dequantize_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
         q.data_ptr<int8_t>(), scales.data_ptr<float>(), out.data_ptr<scalar_t>(), n, block,

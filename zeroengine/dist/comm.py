@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from collections import defaultdict
 from typing import Callable, NoReturn
 
@@ -135,6 +136,7 @@ class Comm:
         self.world_size = dist.get_world_size(group) if self.active else 1
         self.backend = dist.get_backend(group) if self.active else "none"
         self._bytes: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])  # sent, recv, calls
+        self._waited: dict[str, float] = {}  # kind -> seconds blocked (record_wait)
         self._all_gather = _pick("all_gather_single", "all_gather_into_tensor")
         self._reduce_scatter = _pick("reduce_scatter_single", "reduce_scatter_tensor")
         self._avg_ok = True  # gloo before torch 2.6 or so rejects ReduceOp.AVG
@@ -176,6 +178,7 @@ class Comm:
         (on CUDA its side stream; see handles.py); a timeout becomes a CollectiveError here or
         at ``wait()``."""
         step = self.step
+        start = time.perf_counter()
         try:
             if async_op and role is not None:
                 handle = role.run(tensors, lambda: issue(True))
@@ -183,6 +186,8 @@ class Comm:
                 handle = issue(False)
         except RuntimeError as err:
             self.raise_explained(err, op, what, step)
+        if not async_op:  # the caller waited for all of it
+            self.record_wait(op, time.perf_counter() - start)
         handle.context = (self, op, what, step)
         return handle
 
@@ -194,11 +199,23 @@ class Comm:
         entry[1] += moved
         entry[2] += 1
 
-    def report(self, reset: bool = True) -> dict[str, dict[str, int]]:
-        out = {k: {"sent_bytes": v[0], "recv_bytes": v[1], "calls": v[2]}
+    def record_wait(self, kind: str, seconds: float) -> None:
+        """Time the host spent blocked on a ``kind`` collective (Handle.wait, or a synchronous
+        call): communication not hidden behind compute. On CUDA an asynchronous collective's
+        wait orders streams without blocking the host, so only synchronous ones count there."""
+        self._waited[kind] = self._waited.get(kind, 0.0) + seconds
+
+    def report(self, reset: bool = True) -> dict[str, dict]:
+        """Per collective kind: sent_bytes, recv_bytes, calls, and exposed_s (seconds callers
+        were blocked waiting for it)."""
+        out = {k: {"sent_bytes": v[0], "recv_bytes": v[1], "calls": v[2], "exposed_s": 0.0}
                for k, v in sorted(self._bytes.items())}
+        for kind, seconds in self._waited.items():
+            out.setdefault(kind, {"sent_bytes": 0, "recv_bytes": 0, "calls": 0,
+                                  "exposed_s": 0.0})["exposed_s"] = seconds
         if reset:
             self._bytes.clear()
+            self._waited.clear()
         return out
 
     # -- collectives ------------------------------------------------------------------------
@@ -419,8 +436,8 @@ class Comm:
                                     rows[r, head:].view(torch.float32),
                                     output[r * n:(r + 1) * n], block)
 
-        return self._issue("all_gather", what, role, [output, input, send, recv], async_op,
-                           issue).then(unpack)
+        return self._issue("all_gather_int8", what, role, [output, input, send, recv],
+                           async_op, issue).then(unpack)
 
     def reduce_scatter_quantized(self, output: torch.Tensor, input: torch.Tensor, block: int,
                                  op: str = "avg", async_op: bool = False, what="") -> Handle:
@@ -459,7 +476,7 @@ class Comm:
                 total.div_(world)
             output.copy_(total)
 
-        return self._issue("reduce_scatter", what, REDUCE, [output, input, send, recv],
+        return self._issue("reduce_scatter_int8", what, REDUCE, [output, input, send, recv],
                            async_op, issue).then(combine)
 
     def open_check_group(self) -> None:
@@ -486,7 +503,7 @@ class Comm:
         mine = torch.tensor(values, dtype=torch.int64)
         out = torch.empty(self.world_size * len(values), dtype=torch.int64)
         self._count("rank_check", out.numel() * out.element_size(), 1.0)
-        handle = self._issue("all_gather", what, None, [out, mine], False, lambda _: Handle(
+        handle = self._issue("rank_check", what, None, [out, mine], False, lambda _: Handle(
             dist.all_gather(list(out.chunk(self.world_size)), mine, group=group,
                             async_op=async_op)))
 

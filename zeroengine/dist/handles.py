@@ -19,6 +19,7 @@ ShardedOptimizer (its all-gathers) and OptimizerOffload (``finish_step``) all do
 """
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -65,6 +66,7 @@ class Handle:
     def _finish(self) -> None:
         self._event = None
         self._keep = ()
+        start = time.perf_counter() if self._works else None
         try:
             for work in self._works:
                 work.wait()
@@ -73,6 +75,9 @@ class Handle:
                 raise
             self.context[0].raise_explained(err, *self.context[1:])
         self._works = []
+        if start is not None and self.context is not None:
+            # the caller blocked here: communication that compute did not hide (exposed)
+            self.context[0].record_wait(self.context[1], time.perf_counter() - start)
         if self._after is not None:
             after, self._after = self._after, None
             after()
