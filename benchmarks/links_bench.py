@@ -39,6 +39,8 @@ VARIANTS = {
     "ze3-qwz-qgz": ("ours", {"zero_quantized_weights": True, "zero_quantized_gradients": True}),
     "ze3-hpz-qwz": ("ours", {"zero_hpz_partition_size": "auto",
                              "zero_quantized_weights": True}),
+    "ze3-zeropp": ("ours", {"zero_hpz_partition_size": "auto", "zero_quantized_weights": True,
+                            "zero_quantized_gradients": True}),
     "fsdp2": ("fsdp2", None),
     "fsdp2-hsdp": ("hsdp", None),
 }

@@ -63,6 +63,9 @@ CASES = [  # (name, config, optimizer, env)
     ("hpz-stage3", config(3, -1, zero_hpz_partition_size=2), "adamw", {}),
     ("qwz-stage3", config(3, -1, zero_quantized_weights=True), "adamw", {}),
     ("qgz-stage2", config(2, -1, zero_quantized_gradients=True), "adamw", {}),
+    # with the node size known, qgZ exchanges inside the node, then across (two hops)
+    ("qgz2hop-stage3", config(3, -1, zero_quantized_gradients=True), "adamw",
+     {"LOCAL_WORLD_SIZE": "2"}),
     ("hybrid-qwz-qgz-stage3", config(3, zero_quantized_weights=True,
                                      zero_quantized_gradients=True), "adamw", {}),
     # what "tracks the unquantized run" is measured against: bf16 against fp32
@@ -117,7 +120,8 @@ def test_hybrid_holds_half_the_states_and_sends_a_shard_across(trained):
     assert plain_rs == pytest.approx(p_padded * 4 * ACCUMULATION * 3 / 4, rel=0.01)
 
 
-@pytest.mark.parametrize("name", ["qwz-stage3", "qgz-stage2", "hybrid-qwz-qgz-stage3"])
+@pytest.mark.parametrize("name", ["qwz-stage3", "qgz-stage2", "qgz2hop-stage3",
+                                  "hybrid-qwz-qgz-stage3"])
 def test_quantized_loss_tracks_unquantized_as_bf16_does(trained, name):
     """The loss curve of a quantized run strays from the exact one no more than a bf16 run's
     does (mean relative gap over the 6 micro-steps; the weights are checked against the
@@ -147,6 +151,12 @@ def test_zeropp_traffic(trained):
     assert "reduce_scatter" not in qgz
     # fp32 -> int8 + one fp32 scale per 256 elements (at most: the test's buckets are small)
     assert qgz["reduce_scatter_int8"]["sent_bytes"] < 0.5 * plain["reduce_scatter"]["sent_bytes"]
+    two_hops = trained[0][names.index("qgz2hop-stage3")][2]
+    assert "reduce_scatter" not in two_hops
+    # inside the node: (2 ranks) each sends 1 of 2 int8 pieces; across: 1 of 2 again
+    inside = two_hops["reduce_scatter_int8@qgz_node_group"]["sent_bytes"]
+    across = two_hops["reduce_scatter_int8@qgz_across_group"]["sent_bytes"]
+    assert inside > 0 and across == pytest.approx(inside / 2, rel=0.1)
     both = trained[0][names.index("hybrid-qwz-qgz-stage3")][2]
     assert both["all_reduce@replica_group"]["calls"] > 0  # the cross-group sum stays exact
 

@@ -27,7 +27,7 @@ from .core.sharding import Sharding
 from .core.zero_init import zero_init
 from .dist.comm import Comm, init_distributed
 from .dist.consistency import RankMismatchError, check_rank_consistency
-from .dist.topology import build_topology, resolve_hpz_size, resolve_shard_size
+from .dist.topology import build_topology, ranks_per_node, resolve_hpz_size, resolve_shard_size
 
 _install_drop_in()  # torch.nn.utils.clip_grad_norm_ learns the engine's sharded gradients
 __all__ = ["initialize", "init_distributed", "gathered_parameters", "zero_init", "ZeroEngine",
@@ -151,8 +151,12 @@ def initialize(model: nn.Module, config, optimizer: torch.optim.Optimizer | None
         raise ConfigError("zero_optimization.zero_quantized_gradients quantizes the gradient "
                           "reduce-scatter of stages 1-3; stage 0 all-reduces: use stage 1-3, "
                           "or drop the key")
+    # qgZ exchanges in two hops (inside the node, then across) where the node size is known
+    per_node = ranks_per_node() if zero.zero_quantized_gradients else None
+    if per_node is not None and comm.world_size % per_node:
+        per_node = None
     engine = ZeroEngine(model, optimizer, cfg, comm, device, lr_scheduler,
-                        topology=build_topology(comm, shard_size, hpz_size))
+                        topology=build_topology(comm, shard_size, hpz_size, per_node))
     if cfg.compile.on:
         engine.compile(cfg.compile.backend, cfg.compile.kwargs)
     return engine

@@ -117,7 +117,9 @@ class ZeroEngine:
                 reduce_dtype, loss_scaled=scaler is not None,
                 quantize_block=QUANT_BLOCK if zero.zero_quantized_gradients else 0),
             param_order=order, fetcher=self.fetcher, offload=self.offload,
-            replicas=self.topology.replicas)
+            replicas=self.topology.replicas,
+            hierarchy=(self.topology.node, self.topology.across)
+            if self.topology.node is not None else None)
         self.optimizer = ShardedOptimizer(
             optimizer, self.flat_groups, self.reducer, shard, sharding=self.sharding,
             settings=StepSettings(config.gradient_clipping, zero.allgather_bucket_size,

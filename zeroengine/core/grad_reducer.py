@@ -95,13 +95,15 @@ class GradReducer:
 
     def __init__(self, groups: list[FlatParamGroup], comm: Comm, sharding: Sharding,
                  settings: ReduceSettings, *, param_order: dict[int, int] | None = None,
-                 fetcher=None, offload=None, replicas: Comm | None = None):
+                 fetcher=None, offload=None, replicas: Comm | None = None,
+                 hierarchy: tuple[Comm, Comm] | None = None):
         """``comm``: the ranks a group is sharded over; ``replicas`` (hybrid sharding): the
         ranks holding the same shard in the other shard groups, across which each reduced
         chunk is all-reduced (only the rank's 1/K of the gradient crosses groups)."""
         self.groups = groups
         self.comm, self.sharding, self.settings = comm, sharding, settings
         self.replicas = replicas
+        self.hierarchy = hierarchy  # qgZ: (node, across) for the two-hop int8 exchange
         self.reduce_dtype = settings.reduce_dtype
         self.fetcher, self.offload = fetcher, offload
         # Per-flat-group lists are indexed by position in ``groups``; one optimizer group can own
@@ -336,7 +338,11 @@ class GradReducer:
             owned = self.owned_chunk(g, b.segment)
             accumulate = self.state.owned_valid[gi] and self.owned[gi] is not None
             out = torch.empty_like(owned) if accumulate else owned
-            if self.settings.quantize_block:
+            if self.settings.quantize_block and self.hierarchy is not None:
+                b.handle = self.comm.reduce_scatter_quantized_2hop(
+                    out, source, self.settings.quantize_block, *self.hierarchy, "avg",
+                    async_op=True, what=what)
+            elif self.settings.quantize_block:
                 b.handle = self.comm.reduce_scatter_quantized(
                     out, source, self.settings.quantize_block, "avg", async_op=True, what=what)
             else:

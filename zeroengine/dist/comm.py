@@ -479,6 +479,72 @@ class Comm:
         return self._issue("reduce_scatter_int8", what, REDUCE, [output, input, send, recv],
                            async_op, issue).then(combine)
 
+    def reduce_scatter_quantized_2hop(self, output: torch.Tensor, input: torch.Tensor,
+                                      block: int, node: "Comm", across: "Comm",
+                                      op: str = "avg", async_op: bool = False,
+                                      what="") -> Handle:
+        """reduce_scatter over this group laid out as ``across.world_size`` nodes of
+        ``node.world_size`` consecutive ranks, int8 on both hops (ZeRO++ qgZ's hierarchy):
+        inside the node each rank collects, from its node peers, the partial sums of the
+        chunks owned by the ranks with its own local index on every node (int8 all-to-all,
+        run now: node links are fast), then sends each such partial sum to its owner across
+        the nodes (int8 all-to-all, asynchronous). Per node, about a quarter of an fp32
+        ring's bytes cross nodes (half of bf16's), where a one-hop all-to-all would send K
+        times that. Error: two quantizations, each within max|block| / 254 of its input."""
+        K, M, n = node.world_size, across.world_size, output.numel()
+        if K * M != self.world_size or node.world_size == 1 or across.world_size == 1:
+            return self.reduce_scatter_quantized(output, input, block, op, async_op, what)
+        local, me = node.rank, across.rank
+        chunks = input.view(M, K, n)  # chunk of global rank m*K + l at [m, l]
+        partial = torch.empty(M * n, dtype=torch.float32, device=input.device)
+        # hop 1 (inside the node): partial[m] = sum over the node of chunk (m, local)
+        for_peer = [chunks[:, peer].reshape(-1) for peer in range(K)]
+        node._exchange_quantized(for_peer, partial, for_peer[local], block, what)
+        # hop 2 (across nodes): my chunk = sum over nodes of their partial[me]
+        rows = [partial[m * n:(m + 1) * n] for m in range(M)]
+        total = torch.empty(n, dtype=torch.float32, device=input.device)
+
+        def finish() -> None:
+            if op == "avg":
+                total.div_(self.world_size)
+            output.copy_(total)
+        return across._exchange_quantized(rows, total, rows[me], block, what,
+                                          async_op=async_op).then(finish)
+
+    def _exchange_quantized(self, for_rank: list[torch.Tensor], out: torch.Tensor,
+                            own: torch.Tensor, block: int, what, async_op: bool = False
+                            ) -> Handle:
+        """All-to-all of int8: rank r gets ``for_rank[r]`` of every rank; ``out`` (fp32) =
+        ``own`` exactly + the others' dequantized. Counted as "reduce_scatter_int8"."""
+        world, n = self.world_size, own.numel()
+        blocks = quantize.num_blocks(n, block)
+        head = -(-n // 4) * 4
+        piece = head + 4 * blocks
+        send = torch.empty(piece * world, dtype=torch.uint8, device=own.device)
+        recv = torch.empty_like(send)
+        rows_out, rows_in = send.view(world, piece), recv.view(world, piece)
+
+        def issue(a: bool) -> Handle:
+            for r in range(world):
+                if r != self.rank:
+                    quantize.quantize(for_rank[r], block, rows_out[r, :n].view(torch.int8),
+                                      rows_out[r, head:].view(torch.float32))
+            self._count("reduce_scatter_int8", send.numel(), 1.0)
+            return Handle(dist.all_to_all_single(recv, send, group=self.group, async_op=a))
+
+        def combine() -> None:
+            out.copy_(own)
+            for r in range(world):
+                if r != self.rank:
+                    quantize.dequantize(rows_in[r, :n].view(torch.int8),
+                                        rows_in[r, head:].view(torch.float32), out, block,
+                                        accumulate=True)
+        handle = self._issue("reduce_scatter_int8", what, REDUCE, [out, own, send, recv],
+                             async_op, issue).then(combine)
+        if not async_op:
+            handle.wait()
+        return handle
+
     def open_check_group(self) -> None:
         """Collective: a second (gloo, host-side) group for ``gather_ints``. Checks on the
         model's own group would queue behind its asynchronous collectives (a prefetch, a

@@ -43,6 +43,10 @@ class Topology:
     # ZeRO++ hpZ: the ranks of this rank's node, over which stage 3 keeps a secondary copy of
     # the parameters (None: off)
     secondary: Comm | None = None
+    # ZeRO++ qgZ's two hops: this rank's node, and the ranks of its local index on the other
+    # nodes (None: one hop)
+    node: Comm | None = None
+    across: Comm | None = None
 
     @property
     def hybrid(self) -> bool:
@@ -65,6 +69,10 @@ class Topology:
             out["replica_group"] = self.replicas
         if self.secondary is not None:
             out["node_group"] = self.secondary
+        if self.node is not None:
+            if self.node is not self.secondary:
+                out["qgz_node_group"] = self.node
+            out["qgz_across_group"] = self.across
         return out
 
     @classmethod
@@ -144,19 +152,30 @@ def _groups_of(comm: Comm, size: int, kwargs: dict):
     return mine_group, mine_across
 
 
-def build_topology(comm: Comm, shard_size: int, hpz_size: int | None = None) -> Topology:
+def build_topology(comm: Comm, shard_size: int, hpz_size: int | None = None,
+                   qgz_node_size: int | None = None) -> Topology:
     """Collective (every rank, same sizes): the process groups for ``shard_size`` (hybrid
-    sharding) and ``hpz_size`` (hpZ's node groups; None or the world size: off)."""
+    sharding), ``hpz_size`` (hpZ's node groups) and ``qgz_node_size`` (qgZ's two hops); None
+    or the world size: off."""
     world = comm.world_size
     kwargs = {}
     if comm.timeout_s is not None:
         kwargs["timeout"] = datetime.timedelta(seconds=comm.timeout_s)
     if shard_size >= world:
         topology = Topology.plain(comm)
-        if hpz_size is not None and hpz_size < world:
-            _check_node_layout(comm, hpz_size)
-            node, _ = _groups_of(comm, hpz_size, kwargs)
-            topology.secondary = Comm(node, timeout_s=comm.timeout_s)
+        made: dict[int, tuple[Comm, Comm]] = {}
+
+        def node_groups(size: int) -> tuple[Comm, Comm]:
+            if size not in made:
+                _check_node_layout(comm, size)
+                node, across = _groups_of(comm, size, kwargs)
+                made[size] = (Comm(node, timeout_s=comm.timeout_s),
+                              Comm(across, timeout_s=comm.timeout_s))
+            return made[size]
+        if hpz_size is not None and 1 < hpz_size < world:
+            topology.secondary = node_groups(hpz_size)[0]
+        if qgz_node_size is not None and 1 < qgz_node_size < world:
+            topology.node, topology.across = node_groups(qgz_node_size)
         return topology
     _check_node_layout(comm, shard_size)
     shard, replicas = _groups_of(comm, shard_size, kwargs)

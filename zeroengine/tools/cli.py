@@ -115,7 +115,41 @@ def _estimate(args) -> int:
               f"{e.host_total / gib:.3f} |")
     if args.recommend or args.time:
         _predict_steps(args, params, stage, precision, states, offload_optimizer, offload_param)
+    if args.ranks_per_node:
+        _cross_node_traffic(args, params, stage, precision)
     return 0
+
+
+def _cross_node_traffic(args, params, stage, precision) -> None:
+    """Per world size: bytes crossing nodes per step, plain and with each feature of
+    docs/hybrid.md, and the time they take on the inter-node links."""
+    from .traffic import Topology, cross_node_bytes, step_comm_seconds
+    if stage == 0:
+        print("\ncross-node traffic: stage 0 is not modelled (plain all-reduce)")
+        return
+    rows = [("plain", {})]
+    rows += [("hybrid (mics_shard_size = node)", {"hybrid": True})]
+    if stage == 3:
+        rows += [("hpZ", {"hpz": True}), ("qwZ", {"qwz": True}), ("qwZ + qgZ", {"qwz": True,
+                                                                               "qgz": True}),
+                 ("hpZ + qwZ + qgZ", {"hpz": True, "qwz": True, "qgz": True})]
+    else:
+        rows += [("qgZ", {"qgz": True})]
+    print(f"\nBytes crossing nodes per optimizer step ({args.ranks_per_node} ranks per node, "
+          f"{args.inter_gbps:g} Gbit/s per node, {args.micro_steps} micro-step(s); "
+          "zeroengine.tools.traffic) and the time they take with every link busy:\n")
+    print("| world size | variant | GB across, all nodes | GB per node | link seconds |")
+    print("|---|---|---|---|---|")
+    for world in args.world:
+        if world % args.ranks_per_node or world <= args.ranks_per_node:
+            continue
+        topo = Topology(world, args.ranks_per_node, args.inter_gbps)
+        for name, features in rows:
+            moved = cross_node_bytes(params, topo, stage, precision, args.micro_steps,
+                                     backend=args.backend, **features)
+            total = sum(moved.values())
+            print(f"| {world} | {name} | {total / 1e9:.2f} | {total / topo.nodes / 1e9:.3f} | "
+                  f"{step_comm_seconds(moved, topo):.3f} |")
 
 
 def _predict_steps(args, params, stage, precision, states, offload_optimizer,
@@ -237,6 +271,15 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--device-memory", type=float, default=80, help="GiB per device")
     e.add_argument("--activation-gib", type=float, default=0.0, help="GiB per device kept "
                    "for activations")
+    e.add_argument("--ranks-per-node", type=int, default=0, help="also print the bytes that "
+                   "cross nodes per step, plain and with hybrid sharding / hpZ / qwZ / qgZ "
+                   "(docs/hybrid.md)")
+    e.add_argument("--inter-gbps", type=float, default=100.0, help="each node's inter-node "
+                   "bandwidth, Gbit/s (with --ranks-per-node)")
+    e.add_argument("--micro-steps", type=int, default=1, help="gradient accumulation steps "
+                   "(with --ranks-per-node)")
+    e.add_argument("--backend", default="nccl", choices=("nccl", "gloo"), help="how the "
+                   "reduce-scatter moves (nccl: ring; gloo: point to point)")
     e.set_defaults(run=_estimate)
     return parser
 
