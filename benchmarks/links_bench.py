@@ -41,6 +41,10 @@ VARIANTS = {
                              "zero_quantized_weights": True}),
     "ze3-zeropp": ("ours", {"zero_hpz_partition_size": "auto", "zero_quantized_weights": True,
                             "zero_quantized_gradients": True}),
+    "ze1": ("ours", {"stage": 1}),
+    "ze2": ("ours", {"stage": 2}),
+    "ze2-hybrid": ("ours", {"stage": 2, "mics_shard_size": "auto"}),
+    "ze2-qgz": ("ours", {"stage": 2, "zero_quantized_gradients": True}),
     "fsdp2": ("fsdp2", None),
     "fsdp2-hsdp": ("hsdp", None),
 }

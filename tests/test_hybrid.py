@@ -216,3 +216,54 @@ def test_deepspeed_mics_key_is_read():
 
 if __name__ == "__main__":  # pragma: no cover
     torch.set_num_threads(1)
+
+
+def disagreeing_auto():
+    """Rank 3's launcher says 4 ranks per node, the others' 2: refused on every rank."""
+    import os
+
+    import zeroengine
+    rank = int(os.environ["RANK"])
+    os.environ["LOCAL_WORLD_SIZE"] = "4" if rank == 3 else "2"
+    os.environ["LOCAL_RANK"] = str(rank % (4 if rank == 3 else 2))
+    model = make_model()
+    with pytest.raises(ValueError, match=r"resolved zero_optimization.mics_shard_size "
+                                         r"differently \(rank 0: 2, .*rank 3: 4\)"):
+        zeroengine.initialize(model, config(2, "auto"), optimizer=torch.optim.SGD(
+            model.parameters(), lr=0.1))
+    return True
+
+
+def test_ranks_that_see_different_nodes_are_refused():
+    assert run_ranks(WORLD, disagreeing_auto) == [True] * WORLD
+
+
+def test_traffic_model():
+    from zeroengine.tools.traffic import Topology, cross_node_bytes
+    topo = Topology(4, 2)
+    plain = sum(cross_node_bytes(1e6, topo, 3, backend="gloo").values())
+    # fp32, 1M parameters, 2 nodes of 2: forward and backward ring all-gathers cross at 2 of
+    # 4 edges with 3/4 of 4 MB each, the point-to-point reduce-scatter sends 2 x 4 MB
+    assert plain == pytest.approx(2 * 1.5 * 4e6 + 2 * 4e6)
+    hybrid = sum(cross_node_bytes(1e6, topo, 3, hybrid=True).values())
+    assert hybrid == pytest.approx(2 * 4e6) and hybrid <= plain / 2
+    hpz = cross_node_bytes(1e6, topo, 3, hpz=True, backend="gloo")
+    assert hpz["all_gather (backward)"] == 0
+    big = Topology(1024, 8)
+    ring = cross_node_bytes(70e9, big, 3, "bf16")
+    assert ring["reduce_scatter"] == pytest.approx(ring["all_gather (forward)"])
+    # two-hop qgZ: about half a bf16 ring's reduce-scatter bytes
+    qgz = cross_node_bytes(70e9, big, 3, "bf16", qgz=True)["reduce_scatter"]
+    assert qgz / ring["reduce_scatter"] == pytest.approx(1.0156 / 2, rel=0.01)
+
+
+def test_estimate_prints_cross_node_traffic(capsys):
+    from zeroengine.tools.cli import main
+    assert main(["estimate", "--params", "7e9", "--stage", "3", "--world", "64",
+                 "--ranks-per-node", "8", "--inter-gbps", "200"]) == 0
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| 64 |")]
+    per_node = {r[2].strip(): float(r[4]) for r in rows if len(r) > 5}
+    assert set(per_node) >= {"plain", "hybrid (mics_shard_size = node)", "hpZ + qwZ + qgZ"}
+    assert per_node["hpZ + qwZ + qgZ"] < per_node["hybrid (mics_shard_size = node)"] \
+        < per_node["plain"]

@@ -27,7 +27,13 @@ from .core.sharding import Sharding
 from .core.zero_init import zero_init
 from .dist.comm import Comm, init_distributed
 from .dist.consistency import RankMismatchError, check_rank_consistency
-from .dist.topology import build_topology, ranks_per_node, resolve_hpz_size, resolve_shard_size
+from .dist.topology import (
+    build_topology,
+    check_same_sizes,
+    ranks_per_node,
+    resolve_hpz_size,
+    resolve_shard_size,
+)
 
 _install_drop_in()  # torch.nn.utils.clip_grad_norm_ learns the engine's sharded gradients
 __all__ = ["initialize", "init_distributed", "gathered_parameters", "zero_init", "ZeroEngine",
@@ -155,6 +161,10 @@ def initialize(model: nn.Module, config, optimizer: torch.optim.Optimizer | None
     per_node = ranks_per_node() if zero.zero_quantized_gradients else None
     if per_node is not None and comm.world_size % per_node:
         per_node = None
+    # "auto" sizes come from each rank's own environment: the groups exist only if all agree
+    check_same_sizes(comm, {"zero_optimization.mics_shard_size": shard_size,
+                            "zero_optimization.zero_hpz_partition_size": hpz_size,
+                            "ranks per node (LOCAL_WORLD_SIZE, for qgZ)": per_node or 0})
     engine = ZeroEngine(model, optimizer, cfg, comm, device, lr_scheduler,
                         topology=build_topology(comm, shard_size, hpz_size, per_node))
     if cfg.compile.on:

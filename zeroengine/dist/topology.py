@@ -135,6 +135,21 @@ def resolve_hpz_size(requested, world_size: int, stage: int, shard_size: int,
     return size
 
 
+def check_same_sizes(comm: Comm, sizes: dict[str, int]) -> None:
+    """Collective: every rank resolved the same group sizes (an "auto" reads each rank's own
+    launcher variables); else every rank raises, naming the ranks and their values."""
+    if comm.world_size == 1:
+        return
+    rows = comm.gather_ints(list(sizes.values()), what="the group sizes check")
+    for i, name in enumerate(sizes):
+        values = [row[i] for row in rows]
+        if len(set(values)) > 1:
+            by_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+            raise ValueError(f"the ranks resolved {name} differently ({by_rank}); every rank "
+                             "must see the same node layout: give the number in the config, "
+                             "or launch every node with the same processes per node")
+
+
 def _groups_of(comm: Comm, size: int, kwargs: dict):
     """Collective: process groups of ``size`` consecutive ranks; (this rank's, and one per
     index within a group across the groups (the replicas))."""
