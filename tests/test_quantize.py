@@ -57,3 +57,40 @@ def test_wire_size():
     # 256-element blocks: about half of bf16's bytes, a quarter of fp32's
     assert qz.wire_bytes(1 << 20, 256) / (2 << 20) == pytest.approx(0.508, abs=1e-3)
     assert qz.wire_bytes(1 << 20, 256) / (4 << 20) == pytest.approx(0.254, abs=1e-3)
+
+
+def quantized_collectives():
+    """4 ranks as 2 nodes of 2: the one-hop and two-hop int8 reduce-scatters and the int8
+    all-gather, synchronous, against the exact collectives."""
+    import torch.distributed as dist
+
+    from zeroengine.dist.comm import Comm, init_distributed
+    from zeroengine.dist.topology import build_topology
+    init_distributed()
+    comm = Comm()
+    topo = build_topology(comm, comm.world_size, None, 2)
+    rank, n = comm.rank, 1000
+    gen = torch.Generator().manual_seed(rank)
+    grads = torch.randn(4 * n, generator=gen) * (rank + 1)
+    exact = torch.empty(n)
+    comm.reduce_scatter(exact, grads.clone(), "avg")
+    every = [torch.empty(4 * n) for _ in range(4)]
+    dist.all_gather(every, grads)
+    # each sender's chunk for this rank is off by at most its block max / 254; the mean of them
+    bound = sum(qz.error_bound(e[rank * n:(rank + 1) * n], 256) for e in every) / 4
+    one, two = torch.empty(n), torch.empty(n)
+    comm.reduce_scatter_quantized(one, grads, 256)
+    comm.reduce_scatter_quantized_2hop(two, grads, 256, topo.node, topo.across)
+    gathered = torch.empty(4 * n)
+    comm.all_gather_quantized(gathered, grads[:n] * 0 + rank, 256)  # each rank's constant
+    return ((one - exact).abs() <= bound * 1.001).all().item(), \
+        ((two - exact).abs() <= 2.2 * bound).all().item(), \
+        (two - exact).abs().max().item() > 0, \
+        torch.allclose(gathered, torch.arange(4.0).repeat_interleave(n), rtol=1e-6)
+
+
+def test_quantized_collectives_within_bounds():
+    from zeroengine.testing import run_ranks
+    for one_hop, two_hop, lossy, gather in run_ranks(4, quantized_collectives):
+        # two hops quantize twice: the partial sums' own error adds to the first
+        assert one_hop and two_hop and lossy and gather

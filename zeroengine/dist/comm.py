@@ -436,8 +436,11 @@ class Comm:
                                     rows[r, head:].view(torch.float32),
                                     output[r * n:(r + 1) * n], block)
 
-        return self._issue("all_gather_int8", what, role, [output, input, send, recv],
-                           async_op, issue).then(unpack)
+        handle = self._issue("all_gather_int8", what, role, [output, input, send, recv],
+                             async_op, issue).then(unpack)
+        if not async_op:
+            handle.wait()
+        return handle
 
     def reduce_scatter_quantized(self, output: torch.Tensor, input: torch.Tensor, block: int,
                                  op: str = "avg", async_op: bool = False, what="") -> Handle:
@@ -448,36 +451,21 @@ class Comm:
         "reduce_scatter_int8")."""
         if self.world_size == 1:
             return self.reduce_scatter(output, input, op, async_op, what=what)
-        world, n = self.world_size, output.numel()
-        blocks = quantize.num_blocks(n, block)
-        head = -(-n // 4) * 4
-        piece = head + 4 * blocks
-        send = torch.empty(piece * world, dtype=torch.uint8, device=input.device)
-        recv = torch.empty_like(send)
-        rows_out, rows_in = send.view(world, piece), recv.view(world, piece)
+        n = output.numel()
+        chunks = [input[r * n:(r + 1) * n] for r in range(self.world_size)]
+        total = torch.empty(n, dtype=torch.float32, device=input.device)
+        handle = self._exchange_quantized(chunks, total, chunks[self.rank], block, what,
+                                          async_op).then(self._mean_into(output, total, op))
+        if not async_op:
+            handle.wait()
+        return handle
 
-        def issue(a: bool) -> Handle:
-            for r in range(world):
-                if r != self.rank:
-                    quantize.quantize(input[r * n:(r + 1) * n], block,
-                                      rows_out[r, :n].view(torch.int8),
-                                      rows_out[r, head:].view(torch.float32))
-            self._count("reduce_scatter_int8", send.numel(), 1.0)
-            return Handle(dist.all_to_all_single(recv, send, group=self.group, async_op=a))
-
-        def combine() -> None:
-            total = input[self.rank * n:(self.rank + 1) * n].to(torch.float32, copy=True)
-            for r in range(world):
-                if r != self.rank:
-                    quantize.dequantize(rows_in[r, :n].view(torch.int8),
-                                        rows_in[r, head:].view(torch.float32), total, block,
-                                        accumulate=True)
+    def _mean_into(self, output: torch.Tensor, total: torch.Tensor, op: str):
+        def finish() -> None:
             if op == "avg":
-                total.div_(world)
+                total.div_(self.world_size)
             output.copy_(total)
-
-        return self._issue("reduce_scatter_int8", what, REDUCE, [output, input, send, recv],
-                           async_op, issue).then(combine)
+        return finish
 
     def reduce_scatter_quantized_2hop(self, output: torch.Tensor, input: torch.Tensor,
                                       block: int, node: "Comm", across: "Comm",
@@ -499,23 +487,23 @@ class Comm:
         partial = torch.empty(M * n, dtype=torch.float32, device=input.device)
         # hop 1 (inside the node): partial[m] = sum over the node of chunk (m, local)
         for_peer = [chunks[:, peer].reshape(-1) for peer in range(K)]
-        node._exchange_quantized(for_peer, partial, for_peer[local], block, what)
+        node._exchange_quantized(for_peer, partial, for_peer[local], block, what).wait()
         # hop 2 (across nodes): my chunk = sum over nodes of their partial[me]
         rows = [partial[m * n:(m + 1) * n] for m in range(M)]
         total = torch.empty(n, dtype=torch.float32, device=input.device)
-
-        def finish() -> None:
-            if op == "avg":
-                total.div_(self.world_size)
-            output.copy_(total)
-        return across._exchange_quantized(rows, total, rows[me], block, what,
-                                          async_op=async_op).then(finish)
+        handle = across._exchange_quantized(rows, total, rows[me], block, what,
+                                            async_op=async_op).then(
+            self._mean_into(output, total, op))
+        if not async_op:
+            handle.wait()
+        return handle
 
     def _exchange_quantized(self, for_rank: list[torch.Tensor], out: torch.Tensor,
                             own: torch.Tensor, block: int, what, async_op: bool = False
                             ) -> Handle:
         """All-to-all of int8: rank r gets ``for_rank[r]`` of every rank; ``out`` (fp32) =
-        ``own`` exactly + the others' dequantized. Counted as "reduce_scatter_int8"."""
+        ``own`` exactly + the others' dequantized, once the returned handle is waited for.
+        Counted as "reduce_scatter_int8"."""
         world, n = self.world_size, own.numel()
         blocks = quantize.num_blocks(n, block)
         head = -(-n // 4) * 4
@@ -539,11 +527,8 @@ class Comm:
                     quantize.dequantize(rows_in[r, :n].view(torch.int8),
                                         rows_in[r, head:].view(torch.float32), out, block,
                                         accumulate=True)
-        handle = self._issue("reduce_scatter_int8", what, REDUCE, [out, own, send, recv],
-                             async_op, issue).then(combine)
-        if not async_op:
-            handle.wait()
-        return handle
+        return self._issue("reduce_scatter_int8", what, REDUCE, [out, own, send, recv],
+                           async_op, issue).then(combine)
 
     def open_check_group(self) -> None:
         """Collective: a second (gloo, host-side) group for ``gather_ints``. Checks on the
