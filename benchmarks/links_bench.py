@@ -28,6 +28,7 @@ NS = ("zelink0", "zelink1")
 IFS = ("zev0", "zev1")
 ADDRS = ("10.231.0.1", "10.231.0.2")
 RANKS_PER_NODE = 2
+OURS_ZERO_ENV = "ZEROENGINE_LINKS_ZERO"  # --ours-zero, on its way to the ranks
 
 # variant -> (engine, zero_optimization overrides). "fsdp2" shards over all 4 ranks; "hsdp"
 # over each node, replicated across the two (FSDP2 with a 2-D DeviceMesh).
@@ -76,7 +77,8 @@ def build(variant: str, precision: str, size: str, micro: int):
         import zeroengine
         config = {"train_micro_batch_size_per_gpu": micro, "bf16": {"enabled": bf16},
                   "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                        **zero}}
+                                        **zero,
+                                        **json.loads(os.environ.get(OURS_ZERO_ENV, "{}"))}}
         model = GPT(cfg)
         engine = zeroengine.initialize(model, config,
                                        optimizer=torch.optim.AdamW(model.parameters(), **LR))
@@ -183,6 +185,7 @@ def run_variant(variant: str, args, port: int) -> dict:
     procs = []
     for node, (ns, dev) in enumerate(zip(NS, IFS)):
         env = dict(os.environ, GLOO_SOCKET_IFNAME=dev, ZE_LINK_IF=dev, OMP_NUM_THREADS="1",
+                   **{OURS_ZERO_ENV: args.ours_zero},
                    PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run",
                "--nnodes=2", f"--node_rank={node}", f"--nproc_per_node={RANKS_PER_NODE}",
@@ -218,6 +221,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--ours-zero", default="{}", help="JSON merged into our variants' "
+                    "zero_optimization, e.g. '{\"stage3_check_gather_order\": false}'")
     args = ap.parse_args()
     if args.worker:
         return worker(args)
