@@ -52,6 +52,28 @@ def cuda_extension(torch):
                          extra_compile_args={"cxx": flags["cxx"], "nvcc": flags["nvcc"]})
 
 
+def aio_backend() -> str:
+    """The asynchronous file I/O backend csrc/aio is built with: io_uring where liburing's
+    header and library are found (Debian: liburing-dev), else a thread pool.
+    ZEROENGINE_AIO=threads forces the thread pool."""
+    if os.environ.get("ZEROENGINE_AIO") == "threads":
+        return "threads"
+    import ctypes.util
+    headers = any(os.path.exists(os.path.join(d, "liburing.h"))
+                  for d in ("/usr/include", "/usr/local/include"))
+    return "io_uring" if headers and ctypes.util.find_library("uring") else "threads"
+
+
+def aio_extension(CppExtension):
+    backend = aio_backend()
+    print(f"zeroengine: building the asynchronous file I/O engine on {backend}"
+          + ("" if backend == "io_uring" else " (install liburing-dev for io_uring)"))
+    uring = backend == "io_uring"
+    return CppExtension("zeroengine._aio_ext", ["csrc/aio/aio.cpp"],
+                        extra_compile_args=["-O3", *(["-DZE_HAVE_LIBURING"] if uring else [])],
+                        libraries=["uring"] if uring else [])
+
+
 if os.environ.get("ZEROENGINE_NO_EXT") != "1":
     try:
         import torch
@@ -73,6 +95,8 @@ if os.environ.get("ZEROENGINE_NO_EXT") != "1":
                     f"zeroengine.{name}", [source],
                     extra_compile_args=["-O3", "-fopenmp", *flags],
                     extra_link_args=["-fopenmp"]))
+        if os.environ.get("ZEROENGINE_CUDA_ONLY") != "1":
+            ext_modules.append(aio_extension(CppExtension))
         reason = cuda_skip_reason(torch)
         if reason is None:
             ext_modules.append(cuda_extension(torch))
