@@ -79,3 +79,28 @@ def test_failures_name_the_file_and_offset(tmp_path, backend):
 def test_bad_block_size_is_refused():
     with pytest.raises(ValueError, match="multiple of 4096"):
         aio.AsyncFileIO(block_size=1000)
+
+
+def test_swap_dirs_are_private_and_cleaned(tmp_path):
+    """A killed run's swap directory is removed by the next start; a live one is kept; the
+    engine's own goes at close."""
+    import subprocess
+    import sys
+
+    from zeroengine.core.swap_files import ROOT_NAME, SwapDir
+    # a process that makes its swap directory, writes into it, and is killed mid-run
+    code = ("import sys, time; from zeroengine.core.swap_files import SwapDir; "
+            f"d = SwapDir({str(tmp_path)!r}, 3); open(d.file('master.bin'), 'wb').write(b'x'); "
+            "print(d.path, flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    killed_dir = proc.stdout.readline().strip()
+    live = SwapDir(tmp_path, 0)  # the other process is still alive: its directory stays
+    assert os.path.isdir(killed_dir) and live.removed_stale == []
+    proc.kill()
+    proc.wait()
+    again = SwapDir(tmp_path, 1)
+    assert again.removed_stale == [os.path.basename(killed_dir)]
+    assert not os.path.exists(killed_dir) and os.path.isdir(live.path)
+    live.remove()
+    again.remove()
+    assert os.listdir(tmp_path / ROOT_NAME) == []
