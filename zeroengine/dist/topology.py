@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from ..config import ConfigError
 from .comm import Comm
 
 # Launchers' names for the number of processes on this node, most specific first.
@@ -101,17 +102,19 @@ def resolve_shard_size(requested, world_size: int, stage: int,
     if requested == "auto":
         size = ranks_per_node(environ)
         if size is None:
-            raise ValueError(f"{key} is \"auto\" (the ranks of one node), but no launcher "
+            raise ConfigError(f"{key} is \"auto\" (the ranks of one node), but no launcher "
                              f"variable says how many ranks a node runs ({', '.join(_LOCAL_SIZE_VARS)}"
                              "): give the number instead")
         where = f"\"auto\" (LOCAL_WORLD_SIZE etc.: {size} ranks per node)"
     else:
         size, where = int(requested), str(requested)
+    if size >= world_size and world_size % size == 0:
+        return world_size  # one group of every rank: plain ZeRO
     if stage == 0:
-        raise ValueError(f"{key} = {where} shards model states within groups of ranks, but "
+        raise ConfigError(f"{key} = {where} shards model states within groups of ranks, but "
                          "stage 0 shards nothing: use stage 1, 2 or 3, or drop the key")
     if size < 1 or world_size % size:
-        raise ValueError(f"{key} = {where} does not divide the world size {world_size}: "
+        raise ConfigError(f"{key} = {where} does not divide the world size {world_size}: "
                          "the ranks must split into equal groups (the ranks of a node each)")
     return size
 
@@ -126,10 +129,10 @@ def resolve_hpz_size(requested, world_size: int, stage: int, shard_size: int,
     if size >= world_size:
         return world_size
     if stage != 3:
-        raise ValueError(f"{key} = {requested} keeps a secondary copy of stage 3's sharded "
+        raise ConfigError(f"{key} = {requested} keeps a secondary copy of stage 3's sharded "
                          f"parameters, but the stage is {stage}: use stage 3, or drop the key")
     if shard_size < world_size:
-        raise ValueError(f"{key} = {requested} with zero_optimization.mics_shard_size = "
+        raise ConfigError(f"{key} = {requested} with zero_optimization.mics_shard_size = "
                          f"{shard_size}: hybrid sharding already gathers parameters inside a "
                          "group of ranks; use one of the two")
     return size
@@ -145,7 +148,7 @@ def check_same_sizes(comm: Comm, sizes: dict[str, int]) -> None:
         values = [row[i] for row in rows]
         if len(set(values)) > 1:
             by_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
-            raise ValueError(f"the ranks resolved {name} differently ({by_rank}); every rank "
+            raise ConfigError(f"the ranks resolved {name} differently ({by_rank}); every rank "
                              "must see the same node layout: give the number in the config, "
                              "or launch every node with the same processes per node")
 
@@ -202,7 +205,7 @@ def _check_node_layout(comm: Comm, shard_size: int) -> None:
     """Refuse a launcher that numbers ranks other than node by node."""
     local = os.environ.get("LOCAL_RANK", "")
     if local.isdigit() and ranks_per_node() == shard_size and int(local) != comm.rank % shard_size:
-        raise ValueError(
+        raise ConfigError(
             f"rank {comm.rank} is local rank {local} of its node, but hybrid sharding assumes "
             f"nodes hold consecutive ranks (local rank = rank % {shard_size}); launch with "
             "ranks numbered node by node (torchrun, srun and mpirun --map-by node do)")
