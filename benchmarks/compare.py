@@ -136,6 +136,17 @@ def held_bytes(*roots) -> int:
 
 
 # -- building each variant -----------------------------------------------------------------------
+def plain_step(model, opt):
+    """One step of a model that reduces its own gradients (FSDP2): backward, step, zero."""
+    def step(tokens, targets):
+        loss = model.loss(tokens, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    return step
+
+
 def _engine_step(model, engine):
     """One step through engine.backward / engine.step (ours and DeepSpeed's share the verbs)."""
     def step(tokens, targets):
@@ -222,14 +233,7 @@ def build(variant: str, precision: str, cfg: GPTConfig, micro: int):
         opt = torch.optim.AdamW(model.parameters(), **LR)
         if compiled:
             model.compile(backend="inductor")
-
-        def step(tokens, targets):
-            loss = model.loss(tokens, targets)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-        return step, [model, opt], model
+        return plain_step(model, opt), [model, opt], model
 
     from torch.nn.parallel import DistributedDataParallel as DDP
     wrapped = DDP(model)

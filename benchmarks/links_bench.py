@@ -66,7 +66,7 @@ def link_bytes(interface: str) -> tuple[int, int]:
 def build(variant: str, precision: str, size: str, micro: int):
     import torch
     sys.path.insert(0, HERE)
-    from compare import LR, SIZES
+    from compare import LR, SIZES, plain_step
 
     from zeroengine.examples.gpt import GPT
     kind, zero = VARIANTS[variant]
@@ -103,14 +103,7 @@ def build(variant: str, precision: str, size: str, micro: int):
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    opt = torch.optim.AdamW(model.parameters(), **LR)
-
-    def step(tokens, targets):
-        loss = model.loss(tokens, targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
+    step = plain_step(model, torch.optim.AdamW(model.parameters(), **LR))
     step.report = lambda reset=True: {}
     return step, cfg
 
