@@ -208,7 +208,8 @@ class ForwardGuard:
 
     def refuse_outer_ddp(self) -> None:
         ddp = torch.nn.parallel.DistributedDataParallel._active_ddp_module
-        if ddp is not None and not isinstance(ddp, BucketSplit) and any(m is self.module for m in ddp.module.modules()):
+        if ddp is not None and not isinstance(ddp, BucketSplit) \
+                and any(m is self.module for m in ddp.module.modules()):
             raise RuntimeError(
                 "the model zeroengine manages is wrapped in torch's DistributedDataParallel, "
                 "which reduces the gradients a second time (the Hugging Face Trainer and "

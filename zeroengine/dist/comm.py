@@ -418,23 +418,18 @@ class Comm:
                 output.copy_(input)
             return Handle()
         n = input.numel()
-        blocks = quantize.num_blocks(n, block)
-        head = -(-n // 4) * 4  # scales start 4-byte aligned
-        piece = head + 4 * blocks
+        piece = quantize.piece_bytes(n, block)
         send = torch.empty(piece, dtype=torch.uint8, device=input.device)
         recv = torch.empty(piece * self.world_size, dtype=torch.uint8, device=input.device)
 
         def issue(a: bool) -> Handle:
-            quantize.quantize(input, block, send[:n].view(torch.int8),
-                              send[head:].view(torch.float32))
+            quantize.pack(input, block, send)
             return self._all_gather_any(recv, send, a, kind="all_gather_int8")
 
         def unpack() -> None:
             rows = recv.view(self.world_size, piece)
             for r in range(self.world_size):
-                quantize.dequantize(rows[r, :n].view(torch.int8),
-                                    rows[r, head:].view(torch.float32),
-                                    output[r * n:(r + 1) * n], block)
+                quantize.unpack(rows[r], n, block, output[r * n:(r + 1) * n])
 
         handle = self._issue("all_gather_int8", what, role, [output, input, send, recv],
                              async_op, issue).then(unpack)
@@ -505,9 +500,7 @@ class Comm:
         ``own`` exactly + the others' dequantized, once the returned handle is waited for.
         Counted as "reduce_scatter_int8"."""
         world, n = self.world_size, own.numel()
-        blocks = quantize.num_blocks(n, block)
-        head = -(-n // 4) * 4
-        piece = head + 4 * blocks
+        piece = quantize.piece_bytes(n, block)
         send = torch.empty(piece * world, dtype=torch.uint8, device=own.device)
         recv = torch.empty_like(send)
         rows_out, rows_in = send.view(world, piece), recv.view(world, piece)
@@ -515,8 +508,7 @@ class Comm:
         def issue(a: bool) -> Handle:
             for r in range(world):
                 if r != self.rank:
-                    quantize.quantize(for_rank[r], block, rows_out[r, :n].view(torch.int8),
-                                      rows_out[r, head:].view(torch.float32))
+                    quantize.pack(for_rank[r], block, rows_out[r])
             self._count("reduce_scatter_int8", send.numel(), 1.0)
             return Handle(dist.all_to_all_single(recv, send, group=self.group, async_op=a))
 
@@ -524,9 +516,7 @@ class Comm:
             out.copy_(own)
             for r in range(world):
                 if r != self.rank:
-                    quantize.dequantize(rows_in[r, :n].view(torch.int8),
-                                        rows_in[r, head:].view(torch.float32), out, block,
-                                        accumulate=True)
+                    quantize.unpack(rows_in[r], n, block, out, accumulate=True)
         return self._issue("reduce_scatter_int8", what, REDUCE, [out, own, send, recv],
                            async_op, issue).then(combine)
 

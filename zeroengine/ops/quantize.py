@@ -35,6 +35,29 @@ def wire_bytes(numel: int, block: int) -> int:
     return numel + 4 * num_blocks(numel, block)
 
 
+def _scales_offset(numel: int) -> int:
+    return -(-numel // 4) * 4  # the int8 values, padded so the fp32 scales are 4-byte aligned
+
+
+def piece_bytes(numel: int, block: int) -> int:
+    """Bytes of one packed tensor in a collective's buffer (``pack``): its int8 values, padded
+    to 4 bytes, then its fp32 scales."""
+    return _scales_offset(numel) + 4 * num_blocks(numel, block)
+
+
+def pack(x: torch.Tensor, block: int, piece: torch.Tensor) -> None:
+    """Quantize ``x`` into ``piece``, a uint8 slot of ``piece_bytes(x.numel(), block)``."""
+    n = x.numel()
+    quantize(x, block, piece[:n].view(torch.int8), piece[_scales_offset(n):].view(torch.float32))
+
+
+def unpack(piece: torch.Tensor, numel: int, block: int, out: torch.Tensor,
+           accumulate: bool = False) -> torch.Tensor:
+    """``dequantize`` what ``pack`` wrote into ``piece`` (of a ``numel``-element tensor)."""
+    return dequantize(piece[:numel].view(torch.int8),
+                      piece[_scales_offset(numel):].view(torch.float32), out, block, accumulate)
+
+
 def error_bound(x: torch.Tensor, block: int) -> torch.Tensor:
     """Per element, the largest |dequantize(quantize(x)) - x|: max|its block| / 254."""
     flat = x.detach().reshape(-1).float()
