@@ -167,9 +167,3 @@ def test_offload_param_below_stage_3_is_ignored_as_deepspeed_does(stage):
     with pytest.warns(config_policy.ConfigNotice, match="offload_param.*no effect at stage"):
         zero = zeroengine.parse_config(cfg).zero_optimization
     assert zero.offload_param.device == "none"
-
-
-def test_nvme_is_refused_by_name():
-    with pytest.raises(ConfigError, match="offload_optimizer.device"):
-        zeroengine.parse_config({"zero_optimization": {
-            "stage": 2, "offload_optimizer": {"device": "nvme"}}})

@@ -55,13 +55,64 @@ def option(default, doc: str, *, lo=None, hi=None, choices=None, auto: bool = Fa
 
 @dataclass
 class OffloadConfig:
-    device: str = option("none", "Where to keep the state: 'none' (on the training device) or "
-                         "'cpu' (host memory).", choices=("none", "cpu"))
+    """offload_optimizer: where the rank's fp32 master and optimizer state live."""
+    device: str = option("none", "Where to keep the state: 'none' (on the training device), "
+                         "'cpu' (host memory) or 'nvme' (files under nvme_path, streamed "
+                         "through host memory one sub_group_size tile at a time).",
+                         choices=("none", "cpu", "nvme"))
+    nvme_path: Optional[str] = option(None, "device 'nvme': a directory on the fast drive; "
+                                      "each rank swaps under <nvme_path>/zeroengine_swap/ "
+                                      "(removed at exit; a killed run's is removed by the next "
+                                      "start).")
     pin_memory: bool = option(False, "Use page-locked host buffers (faster device<->host "
                               "copies on CUDA; no effect on CPU-only machines).")
-    buffer_count: int = option(4, "Number of host staging buffers.", lo=1,
-                               no_effect="host buffers are sized from sub_group_size")
-    fast_init: bool = option(False, "DeepSpeed NVMe option.", no_effect="there is no NVMe path")
+    buffer_count: int = option(4, "DeepSpeed: swap buffers per tile (one per swapped tensor).",
+                               lo=1, no_effect="each tile's host buffer holds all of its "
+                               "swapped tensors (master and every per-element state); the "
+                               "tiles in memory are 1 + pipeline_read + pipeline_write")
+    pipeline_read: bool = option(False, "device 'nvme': read tile k+1 from the drive while "
+                                 "tile k steps (one more tile in host memory).")
+    pipeline_write: bool = option(False, "device 'nvme': write tile k back while the next "
+                                  "tile steps (one more tile in host memory).")
+    fast_init: bool = option(False, "DeepSpeed NVMe option.", no_effect="the swap files are "
+                             "preallocated and written once at start, a tile at a time")
+
+
+@dataclass
+class OffloadParamConfig:
+    """offload_param (stage 3): where the rank's parameter shard lives."""
+    device: str = option("none", "Where to keep the parameter shard: 'none' (on the training "
+                         "device) or 'cpu' (host memory; copied to the device when "
+                         "gathered). DeepSpeed's 'nvme' is refused by name (not implemented "
+                         "for parameters yet).", choices=("none", "cpu", "nvme"))
+    nvme_path: Optional[str] = option(None, "DeepSpeed: directory for device 'nvme'.",
+                                      no_effect="offload_param.device 'nvme' is not "
+                                      "implemented; 'cpu' is")
+    pin_memory: bool = option(False, "Use page-locked host buffers (faster device<->host "
+                              "copies on CUDA; no effect on CPU-only machines).")
+    buffer_count: int = option(5, "DeepSpeed: parameter swap buffers.", lo=1,
+                               no_effect="used with offload_param.device 'nvme' only")
+    buffer_size: int = option(100_000_000, "DeepSpeed: elements per parameter swap buffer.",
+                              lo=1, no_effect="used with offload_param.device 'nvme' only")
+    max_in_cpu: int = option(1_000_000_000, "DeepSpeed: parameter elements kept in host "
+                             "memory with device 'nvme'.", lo=0,
+                             no_effect="used with offload_param.device 'nvme' only")
+
+
+@dataclass
+class AioConfig:
+    """The asynchronous file I/O of NVMe offload (ops/aio.py), DeepSpeed's ``aio`` section."""
+    block_size: int = option(1_048_576, "Bytes per read/write request (a multiple of 4096).",
+                             lo=4096)
+    queue_depth: int = option(8, "Requests in flight at once (io_uring) per transfer engine.",
+                              lo=1)
+    thread_count: int = option(1, "Threads issuing requests (the thread-pool backend's "
+                               "workers; io_uring uses one submitter).", lo=1)
+    single_submit: bool = option(False, "DeepSpeed libaio: submit requests one at a time.",
+                                 no_effect="io_uring submits in batches up to queue_depth")
+    overlap_events: bool = option(True, "DeepSpeed libaio: overlap submission and completion.",
+                                  no_effect="completions are reaped while requests are in "
+                                  "flight")
 
 
 @dataclass
@@ -106,9 +157,9 @@ class ZeroConfig:
                                               "CPU (stages 1-3); torch Adam/AdamW run as "
                                               "zeroengine.ops.CPUAdam, other optimizers as "
                                               "their own class.")
-    offload_param: OffloadConfig = option(OffloadConfig(), "Keep parameter shards in host "
-                                          "memory (stage 3); each is copied to the device "
-                                          "when gathered.")
+    offload_param: OffloadParamConfig = option(
+        OffloadParamConfig(), "Keep parameter shards in host memory (stage 3); each is copied "
+        "to the device when gathered.")
     stage3_prefetch_bucket_size: int = option(
         AUTO, "Stage 3: most elements gathered ahead of their use. \"auto\": sized from the "
         "model - an eighth of the partitioned elements, at least two of its largest segments "
@@ -312,6 +363,8 @@ class Config:
                                            "travel.")
     compile: CompileConfig = option(CompileConfig(), "torch.compile of the model (docs/"
                                     "compile.md).")
+    aio: AioConfig = option(AioConfig(), "Asynchronous file I/O of NVMe offload (DeepSpeed's "
+                            "section; docs/nvme.md).")
     tensorboard: TensorBoardConfig = option(TensorBoardConfig(), "DeepSpeed's TensorBoard "
                                             "monitor.")
     csv_monitor: CSVMonitorConfig = option(CSVMonitorConfig(), "DeepSpeed's CSV monitor.")
@@ -575,7 +628,17 @@ def parse_config(source: "str | os.PathLike | dict | Config") -> Config:
         # DeepSpeed reads offload_param at stage 3 only and ignores it below: so does zeroengine
         notice("zero_optimization.offload_param", f"no effect at stage {zero.stage}: only "
                "stage 3 shards (and so offloads) parameters; DeepSpeed ignores it too")
-        zero.offload_param = OffloadConfig()
+        zero.offload_param = OffloadParamConfig()
+    if zero.offload_param.device == "nvme":
+        raise ConfigError("zero_optimization.offload_param.device 'nvme' is not implemented: "
+                          "parameter shards offload to 'cpu' (host memory); the optimizer "
+                          "states can go to the drive with offload_optimizer.device 'nvme'")
+    if zero.offload_optimizer.device == "nvme" and not zero.offload_optimizer.nvme_path:
+        raise ConfigError("zero_optimization.offload_optimizer.device 'nvme' needs "
+                          "offload_optimizer.nvme_path: a directory on the drive to swap to")
+    if cfg.aio.block_size % 4096:
+        raise ConfigError(f"aio.block_size must be a multiple of 4096 (O_DIRECT), got "
+                          f"{cfg.aio.block_size}")
     return cfg
 
 

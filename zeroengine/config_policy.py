@@ -75,6 +75,7 @@ REFUSED: dict[str, tuple[str, Callable[[Any], bool]]] = {
                         "enabled)", _equals(False))
        for k in ("deepcompile", "free_activation", "offload_activation", "offload_opt_states",
                  "offload_parameters", "autoep_non_moe")},
+    "aio.use_gds": ("GPUDirect Storage is " + _FEATURE, _equals(False)),
     "compile.passes": ("DeepCompile passes are " + _FEATURE, lambda v: not v),
     "fp16.fp16_master_weights_and_grads": ("fp16 master weights and gradients (instead of "
                                            "fp32 masters) are " + _FEATURE, _equals(False)),
@@ -105,7 +106,6 @@ NO_EFFECT: dict[str, str] = {
                                 "zeroengine does not call: use torch.utils.checkpoint("
                                 "use_reentrant=False)",
     "pipeline": "it configures DeepSpeed's pipeline engine, which zeroengine does not run",
-    "aio": "it configures NVMe offload, which zeroengine does not have",
     "nebula": "it configures a DeepSpeed checkpoint service",
     "autotuning": "it configures DeepSpeed's autotuner",
     **{f"compile.{k}": "tunes DeepSpeed's own compiler (DeepCompile); zeroengine uses "

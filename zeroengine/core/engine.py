@@ -76,7 +76,8 @@ class ZeroEngine:
         self._loss_count = 0
         zero = config.zero_optimization
         self.precision = Precision.from_config(config)
-        self.offload_optimizer = zero.offload_optimizer.device == "cpu"
+        # "nvme": offloaded as to "cpu", then the host master and state go to the drive
+        self.offload_optimizer = zero.offload_optimizer.device in ("cpu", "nvme")
         self.offload_param = zero.offload_param.device == "cpu"
         # page-locked host memory only helps (and only exists) with a CUDA device
         self._pin = device.type == "cuda" and (zero.offload_optimizer.pin_memory
@@ -125,7 +126,9 @@ class ZeroEngine:
             settings=StepSettings(config.gradient_clipping, zero.allgather_bucket_size,
                                   zero.sub_group_size, config.on_nonfinite),
             loss_scaler=scaler, offload=self.offload, fetcher=self.fetcher,
-            param_names={id(p): n for n, p in uncompiled(module).named_parameters()})
+            param_names={id(p): n for n, p in uncompiled(module).named_parameters()},
+            swap_to=self._swap_to(config)
+            if zero.offload_optimizer.device == "nvme" else None)
         gathered.register(self.flat_groups, comm, self.fetcher)
         # the loop the user already has keeps working: their optimizer object and torch's
         # clip_grad_norm_ reach the sharded step (drop_in.py)
@@ -161,10 +164,27 @@ class ZeroEngine:
         itemsize = max((p.element_size() for p in self._managed_params()), default=4)
         return compiled.BucketSplit(max(1, zero.reduce_bucket_size) * itemsize)
 
+    def _swap_to(self, config: Config):
+        """NVMe offload: how the optimizer's sub-groups become tiles swapped under nvme_path."""
+        from ..ops.aio import AsyncFileIO
+        from .optimizer_swap import OptimizerSwap
+        from .swap_files import SwapDir
+        off, aio = config.zero_optimization.offload_optimizer, config.aio
+
+        def build(sub_groups):
+            return OptimizerSwap(
+                self.flat_groups, sub_groups, SwapDir(off.nvme_path, self.comm.rank),
+                AsyncFileIO(aio.block_size, aio.queue_depth, aio.thread_count),
+                pipeline_read=off.pipeline_read, pipeline_write=off.pipeline_write,
+                pin=self._pin)
+        return build
+
     def close(self) -> None:
         """Remove every hook the engine put on the model and its parameters; close the
-        monitor's writers."""
+        monitor's writers; remove NVMe swap files."""
         self.monitor.close()
+        if self.optimizer.swap is not None:
+            self.optimizer.swap.close()
         compiled.uninstall(self.module)
         unregister_parameters(self._managed_params())
         self.guard.remove()
@@ -339,7 +359,8 @@ class ZeroEngine:
         """Bytes this rank holds now for model states, by category: ``params``, ``grads`` and
         ``optimizer_states`` on the training device, ``host_*`` the same offloaded to host
         memory (on a CPU-only machine both are RAM; the split says where the engine put them),
-        ``total`` all of them."""
+        ``total`` all of them; with NVMe offload ``nvme_optimizer_states``, the bytes of the
+        master and state kept on the drive (not in the total)."""
         managed = {id(p) for p in self._managed_params()}
         params = sum(fg.nbytes() for fg in self.flat_groups)
         if self.fetcher is not None:
@@ -353,11 +374,16 @@ class ZeroEngine:
             host_states += self.optimizer.state_nbytes()
         else:
             states += self.optimizer.state_nbytes()
+        swap = self.optimizer.swap
+        if swap is not None:
+            host_states += swap.host_bytes()  # the tiles' slots
         report = {"params": params, "grads": grads, "optimizer_states": states,
                   "host_params": sum(fg.nbytes(host=True) for fg in self.flat_groups),
                   "host_grads": self.offload.nbytes() if self.offload is not None else 0,
                   "host_optimizer_states": host_states}
         report["total"] = sum(report.values())
+        if swap is not None:  # on the drive, not in memory: outside the total
+            report["nvme_optimizer_states"] = swap.file_bytes()
         return report
 
     def comm_report(self, reset: bool = True) -> dict[str, dict[str, int]]:

@@ -12,10 +12,12 @@ itself (no copy); for a lower-precision compute dtype they are a separate fp32 s
 the parameters before they were cast so the master keeps every bit of the initial values.
 
 Offload (see optimizer_offload.py) only moves tensors: ``offload_master`` puts the fp32 master
-in host
-memory (then always a separate copy, even in fp32, so the CPU-only machine runs the same code
-path as a GPU one), ``offload_shard`` puts stage 3's partitioned shard there; ``pin`` makes
-those host tensors page-locked.
+in host memory (then always a separate copy, even in fp32, so the CPU-only machine runs the
+same code path as a GPU one), ``offload_shard`` puts stage 3's partitioned shard there; ``pin``
+makes those host tensors page-locked. NVMe offload (optimizer_swap.py) then takes the master
+to the drive: ``swap`` is set, the master chunks are empty except while their tile is in host
+memory, and every method here that reads or writes them brings them in a tile at a time
+(``resident_masters``).
 """
 from __future__ import annotations
 
@@ -82,6 +84,7 @@ class FlatParamGroup:
         segments = range(len(self.layout.segments))
         self.master_segments = [self.chunk(s) for s in segments] if self.master is None else \
             shard_segment_views(self.master, self.layout)
+        self.swap = None  # an OptimizerSwap when the master lives on the drive
 
     def _shards_of(self, params, value_of, wanted, pin: bool) -> list[torch.Tensor]:
         """This rank's chunks of ``params``, one shard tensor per (dtype, device) in ``wanted``."""
@@ -116,34 +119,50 @@ class FlatParamGroup:
         chunk = self.chunk(s)
         return chunk.to(self.device, non_blocking=True)
 
+    def resident_masters(self, segments=None, write_back: bool = False):
+        """Yield the segment indices (default: all) with their master chunk in memory: all of
+        them at once, or with NVMe offload a tile at a time (``write_back``: the caller
+        changes them, so each tile goes back to the drive after)."""
+        segments = range(len(self.master_segments)) if segments is None else segments
+        if self.swap is None:
+            yield from segments
+            return
+        for resident in self.swap.visit(self, segments, write_back):
+            yield from resident
+
     def master_to_chunks(self, segments=None) -> None:
         """Copy updated master values into the compute-dtype chunks (mixed precision)."""
         if self.master is not None:
-            for s in (range(len(self.master_segments)) if segments is None else segments):
+            for s in self.resident_masters(segments):
                 self.chunk(s).copy_(self.master_segments[s])
 
     def refresh_master(self, segments=None) -> None:
         """The inverse: chunks changed from outside (a write-back) become the master's values."""
         if self.master is not None:
-            for s in (range(len(self.master_segments)) if segments is None else segments):
+            for s in self.resident_masters(segments, write_back=True):
                 self.master_segments[s].copy_(self.chunk(s))
 
     def master_shard(self) -> torch.Tensor:
         """The fp32 values of every element the rank owns, as one contiguous CPU tensor."""
-        if self.master is not None:
+        if self.master is not None and self.swap is None:
             return self.master.detach().cpu()
-        return torch.cat([s.detach().float().cpu() for s in self.master_segments])
+        if self.master is None:
+            return torch.cat([s.detach().float().cpu() for s in self.master_segments])
+        out = torch.zeros(self.layout.shard_numel, dtype=torch.float32)
+        for s in self.resident_masters():
+            self.layout.segments[s].of_shard(out).copy_(self.master_segments[s])
+        return out
 
     def load_master_shard(self, master: torch.Tensor) -> None:
         """Set the master from a tensor laid out like ``master_shard()``."""
-        for seg, target in zip(self.layout.segments, self.master_segments):
-            target.copy_(seg.of_shard(master))
+        for s in self.resident_masters(write_back=True):
+            self.master_segments[s].copy_(self.layout.segments[s].of_shard(master))
 
     def full_fp32(self, comm) -> torch.Tensor:
         """The whole flat buffer in fp32, gathered from every rank's master (collective)."""
         full = torch.empty(self.layout.numel, dtype=torch.float32, device=self.device)
-        for s, seg in enumerate(self.layout.segments):
-            out = seg.of_full(full)
+        for s in self.resident_masters():
+            out = self.layout.segments[s].of_full(full)
             if self.sharded:
                 comm.all_gather(out, self.master_segments[s].float())
             else:

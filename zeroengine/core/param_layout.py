@@ -28,7 +28,7 @@ def lay_out_parameters(module: nn.Module, optimizer: torch.optim.Optimizer,
     shard = shard or comm
     shard_world = shard.world_size if sharding.optimizer_state else 1
     bucket = max(1, zero.reduce_bucket_size)  # 0 (DeepSpeed accepts it): one parameter each
-    offload_master = zero.offload_optimizer.device == "cpu"
+    offload_master = zero.offload_optimizer.device in ("cpu", "nvme")
     owner: dict[int, int] = {}  # parameter -> index of the first module holding it
     for mi, mod in enumerate(module.modules()):
         for p in mod.parameters(recurse=False):

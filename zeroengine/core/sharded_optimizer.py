@@ -10,7 +10,9 @@ A step: make gradients final (``GradReducer.flush``), compute the global norm ov
 clip, copy hyperparameters outer -> inner, step the chunks, then all-gather the updated chunks
 so every rank holds the full parameters again (stages 1-2). With offload (optimizer_offload.py)
 the chunks
-are host copies, the inner optimizer runs on the CPU, and updated values are copied back.
+are host copies, the inner optimizer runs on the CPU, and updated values are copied back; with
+NVMe offload (optimizer_swap.py) those host copies live on the drive and each sub-group is read
+in before it steps and written back after.
 """
 from __future__ import annotations
 
@@ -69,10 +71,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def __init__(self, base: torch.optim.Optimizer, flat_groups: list[FlatParamGroup],
                  reducer: GradReducer, comm: Comm, *, sharding: Sharding, settings: StepSettings,
                  loss_scaler: LossScaler | None = None, offload: OptimizerOffload | None = None,
-                 fetcher=None, param_names: dict[int, str] | None = None):
+                 fetcher=None, param_names: dict[int, str] | None = None, swap_to=None):
         """Collaborators: ``reducer`` makes the gradients final, ``offload`` (optional) holds
         the step's host buffers, ``fetcher`` (stage 3) refreshes segments gathered across the
-        step."""
+        step. ``swap_to(sub_groups)`` (NVMe offload): builds the OptimizerSwap that takes the
+        masters and state to the drive, tile = sub-group."""
         # Deliberately not calling Optimizer.__init__: it would copy the groups, and sharing the
         # user's dicts is what keeps their schedulers working.
         init_without_copying_groups(self, base.defaults)
@@ -97,6 +100,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._part_of: dict[int, int] = {}  # flat group index -> index into self.parts
         self._build_inner(base)
         self.sub_groups = self._plan_sub_groups(settings.sub_group_numel)
+        self.swap = None
+        if swap_to is not None:
+            if self.owned:
+                names = sorted({type(self.parts[self._part_of[fi]].optimizer).__name__
+                                for fi in self.owned})
+                raise ValueError(
+                    f"offload_optimizer.device 'nvme' swaps per-element optimizer state in "
+                    f"tiles of flat shards; {', '.join(names)} updates whole tensors "
+                    "(tensor-wise), so its state cannot be tiled: use offload_optimizer.device "
+                    "'cpu' for it")
+            self.swap = swap_to(self.sub_groups)
+            self.swap.bind(lambda fi: self.parts[self._part_of[fi]].optimizer.state)
 
     def _build_inner(self, base: torch.optim.Optimizer) -> None:
         """One inner optimizer per (user optimizer, kind of update), over the rank's master
@@ -245,6 +260,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         try:
             self._step()
         finally:
+            if self.swap is not None:
+                self.swap.finish()
             if self.offload is not None:
                 self.offload.finish_step()
             self.comm.step = self.steps + 1  # the next backward's collectives belong to it
@@ -292,14 +309,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
             coef *= min(self.settings.clip / (norm + 1e-6), 1.0)
         self._sync_hyperparameters()
         in_flight: list[tuple[Handle, int]] = []
-        for batch in self.sub_groups:
+        for tile, batch in enumerate(self.sub_groups):
+            if self.swap is not None:
+                self.swap.acquire(tile)  # read from the drive (or read ahead already)
             by_part: dict[int, list[tuple[int, int]]] = {}
             for fi, s in batch:
                 by_part.setdefault(self._part_of[fi], []).append((fi, s))
             written: set = set()
             for k, entries in by_part.items():
                 written |= self._step_entries(self.parts[k], entries, grads, coef)
-            in_flight = self.publish(batch, written, in_flight)
+            copies: list[Handle] = []
+            in_flight = self.publish(batch, written, in_flight, copies)
+            if self.swap is not None:
+                self.swap.release(tile, copies)
         for fi, owned in self.owned.items():
             fg = self.flat_groups[fi]
             segments = range(len(fg.layout.segments))
@@ -361,16 +383,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
         inner.step(low_precision_copies=lows, grad_coef=coef, grads=grad_of)
         return written
 
-    def publish(self, batch, written: set, in_flight: list[tuple[Handle, int]]):
+    def publish(self, batch, written: set, in_flight: list[tuple[Handle, int]],
+                copies: list[Handle] | None = None):
         """Make the updated masters of ``batch`` ((group, segment) pairs) the model's values,
         unless the step wrote them already (``written``), and start gathering whole groups'
         chunks to every rank (stages 1-2; stage 3 gathers on use instead). Returns the gathers
-        in flight."""
+        in flight; the offload's copies out of the masters are appended to ``copies``."""
         for fi, s in batch:
             fg = self.flat_groups[fi]
             copied = None
             if self.offload is not None:
                 copied = self.offload.publish(fi, s, written=(fi, s) in written)
+                if copies is not None:
+                    copies.append(copied)
             elif (fi, s) not in written:
                 fg.master_to_chunks([s])
             if fg.sharded and not fg.partitioned:
@@ -384,7 +409,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
         values on every rank, as after a step. Collective."""
         everything = [(fi, s) for fi, fg in enumerate(self.flat_groups)
                       for s in range(len(fg.layout.segments))]
-        for handle, _ in self.publish(everything, set(), []):
+        if self.swap is not None:  # a tile at a time, read and not written back
+            in_flight = []
+            try:
+                for tile, batch in enumerate(self.sub_groups):
+                    self.swap.acquire(tile)
+                    copies: list[Handle] = []
+                    in_flight = self.publish(batch, set(), in_flight, copies)
+                    self.swap.release(tile, copies, changed=False)
+            finally:
+                self.swap.finish()
+        else:
+            in_flight = self.publish(everything, set(), [])
+        for handle, _ in in_flight:
             handle.wait()
         if self.offload is not None:
             self.offload.finish_step()
@@ -455,6 +492,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
         Loading needs the same world size and stage; checkpoints (engine.save_checkpoint) are the
         way to reshard."""
+        self._refuse_swapped("optimizer.state_dict()")
         inner = self.inner.state_dict()
         groups = []
         for group in self.param_groups:
@@ -468,6 +506,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                          "shard_numels": [fg.layout.shard_numel for fg in self.flat_groups]}}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        self._refuse_swapped("optimizer.load_state_dict()")
         meta = state_dict.get("zero")
         if meta is None:
             raise ValueError("this is not a zeroengine optimizer state dict (no 'zero' entry); "
@@ -498,13 +537,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
         self.skipped_steps = state_dict.get("skipped_steps", 0)
 
+    def _refuse_swapped(self, what: str) -> None:
+        if self.swap is not None:
+            raise RuntimeError(
+                f"{what} would hold this rank's whole optimizer state in memory, which "
+                "offload_optimizer.device 'nvme' keeps on the drive; save and resume with "
+                "engine.save_checkpoint(dir) / engine.load_checkpoint(dir), which read and write "
+                "it a tile at a time")
+
     def shard_state(self, fg: FlatParamGroup) -> tuple[dict[str, torch.Tensor], dict]:
         """The inner optimizer's state over one group's shard, for checkpoints: elementwise
         tensors laid out like the shard (key -> CPU tensor), and the scalar state."""
         self._refuse_tensorwise(fg, "saving")
         elementwise: dict[str, torch.Tensor] = {}
         scalars: dict = {}
-        for seg, master in zip(fg.layout.segments, fg.master_segments):
+        for s in fg.resident_masters():
+            seg, master = fg.layout.segments[s], fg.master_segments[s]
             for key, value in self.inner.state.get(master, {}).items():
                 if torch.is_tensor(value) and value.numel() == master.numel() and value.dim() > 0:
                     if key not in elementwise:
@@ -520,8 +568,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         each class gets its own dtypes and devices (torch keeps ``step`` as a tensor, CPUAdam
         as an int)."""
         self._refuse_tensorwise(fg, "loading")
-        wants_int_step = isinstance(self.parts[self._part_of[self.flat_groups.index(fg)]]
-                                    .optimizer, CPUAdam)
+        optimizer = self.parts[self._part_of[self.flat_groups.index(fg)]].optimizer
+        wants_int_step = isinstance(optimizer, CPUAdam)
+        if self.swap is not None:  # into the swapped tensors, a tile at a time
+            for s in fg.resident_masters(write_back=True):
+                self._load_segment_state(optimizer, fg, s, shards, scalars, wants_int_step)
+            return
         current = self.inner.state_dict()
         index_of = {}
         for group in self.inner.param_groups:
@@ -539,6 +591,26 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 entry[key] = seg.of_shard(shard).clone().to(master.device)
             state[index_of[id(master)]] = entry
         self.inner.load_state_dict({"state": state, "param_groups": current["param_groups"]})
+
+    @staticmethod
+    def _load_segment_state(optimizer, fg: FlatParamGroup, s: int, shards: dict,
+                            scalars: dict, wants_int_step: bool) -> None:
+        """Segment s's state from checkpoint shards, written into the tensors the optimizer
+        already holds (swapped ones keep their identity) or set as new ones (adopted by the
+        swap when its tile is written back)."""
+        seg, master = fg.layout.segments[s], fg.master_segments[s]
+        state = optimizer.state[master]
+        for key, value in scalars.items():
+            if key == "step":
+                value = int(value) if wants_int_step else torch.tensor(float(value))
+            state[key] = value
+        for key, shard in shards.items():
+            values = seg.of_shard(shard)
+            held = state.get(key)
+            if torch.is_tensor(held) and held.numel() == values.numel():
+                held.copy_(values.view_as(held))
+            else:
+                state[key] = values.clone().to(master.device)
 
     def _refuse_tensorwise(self, fg: FlatParamGroup, doing: str) -> None:
         fi = next(i for i, g in enumerate(self.flat_groups) if g is fg)

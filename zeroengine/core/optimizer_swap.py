@@ -1,0 +1,299 @@
+"""NVMe offload of the optimizer (``offload_optimizer.device: "nvme"``): the rank's fp32 master
+and the optimizer's per-element state live in files under ``nvme_path`` and come into host
+memory one tile at a time (a tile is one sub-group of the step: ``sub_group_size`` elements).
+
+Files: one per swapped kind - "master", then every state tensor the optimizer keeps per element
+(Adam's exp_avg and exp_avg_sq) - preallocated, laid out like the rank's segments in step
+order. Each segment's region starts on a 4096-element boundary, so a tile (a contiguous range
+of every file) and a single segment both move with O_DIRECT.
+
+The step brackets each tile (ShardedOptimizer._step): ``acquire(k)`` waits for tile k's reads,
+points its master chunks and state tensors into the tile's host slot and, with pipeline_read,
+starts reading tile k+1 into the next slot; ``release(k)`` starts writing tile k back (with
+pipeline_write the write stays in flight while the next tile steps) and points the tensors at
+nothing. A swapped-out tensor is empty, so code that touches one fails loudly instead of
+reading stale values. Host memory: 1 + pipeline_read + pipeline_write tile slots.
+
+Tensors keep their identity: the inner optimizer's ``state[master]`` holds the same tensor
+objects every step, re-pointed (Tensor.set_) at each tile's slot. Scalars (Adam's step count)
+stay in memory. An optimizer creates its state in its first step as ordinary tensors;
+``release`` adopts every tensor the size of its parameter into the files, so any elementwise
+optimizer swaps, not only Adam.
+
+Cold paths (checkpoints, write-backs, consolidation) go through ``visit``: the tiles holding
+the wanted segments, one at a time, read synchronously and (when changed) written back.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..dist.handles import Handle
+from ..ops.aio import AsyncFileIO, aligned_empty
+from .flat_param_group import FlatParamGroup
+from .swap_files import SwapDir
+
+SEGMENT_ALIGN = 4096  # elements: a segment's region is 4096-byte aligned for any dtype
+MASTER = "master"
+
+
+def _aligned(numel: int) -> int:
+    return -(-numel // SEGMENT_ALIGN) * SEGMENT_ALIGN
+
+
+@dataclass
+class _Slot:
+    """Host memory for one tile: a byte buffer per swapped kind, sized for the largest tile."""
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    tile: int | None = None  # the tile whose values the buffers hold (or are being read)
+    reads: list[Handle] = field(default_factory=list)
+    writes: list[Handle] = field(default_factory=list)
+    uses: list[Handle] = field(default_factory=list)  # copies that read the buffers
+
+
+@dataclass
+class SwapStats:
+    read_bytes: int = 0
+    write_bytes: int = 0
+    wait_s: float = 0.0  # time the step was blocked on the drive
+
+
+class OptimizerSwap:
+    def __init__(self, groups: list[FlatParamGroup], tiles: list[list[tuple[int, int]]],
+                 swap_dir: SwapDir, aio: AsyncFileIO, *, pipeline_read: bool,
+                 pipeline_write: bool, pin: bool = False):
+        """``tiles``: the step's sub-groups, (flat group, segment) pairs in step order. Writes
+        every group's master to the drive and frees its host copy."""
+        self.groups, self.tiles, self.dir, self.aio = groups, tiles, swap_dir, aio
+        self.pipeline_read, self.pipeline_write, self.pin = pipeline_read, pipeline_write, pin
+        self._index = {id(g): i for i, g in enumerate(groups)}
+        self.offset: dict[tuple[int, int], int] = {}  # element offset in every file
+        self.tile_of: dict[tuple[int, int], int] = {}
+        self.extent: list[tuple[int, int]] = []  # tile -> [start, end) elements
+        end = 0
+        for k, tile in enumerate(tiles):
+            start = end
+            for pair in tile:
+                self.offset[pair] = end
+                self.tile_of[pair] = k
+                end += _aligned(groups[pair[0]].layout.segments[pair[1]].chunk_numel)
+            self.extent.append((start, end))
+        self.total = end
+        self.tile_capacity = max((e - s for s, e in self.extent), default=0)
+        self.kinds: dict[str, torch.dtype] = {}  # swapped kind -> dtype, master first
+        self.keys_of: dict[tuple[int, int], tuple[str, ...]] = {}  # state kinds in the files
+        self.slots = [_Slot() for _ in range(1 + pipeline_read + pipeline_write)]
+        self.stats = SwapStats()
+        self._states = lambda fi: {}  # flat group -> its inner optimizer's state (bind())
+        self._pointed: set[int] = set()
+        self._register(MASTER, torch.float32)
+        self._swap_out_masters()
+
+    def bind(self, states_of) -> None:
+        """``states_of(fi)``: the state mapping of the optimizer stepping flat group fi."""
+        self._states = states_of
+
+    # -- files and buffers ----------------------------------------------------------------
+    def _register(self, kind: str, dtype: torch.dtype) -> None:
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        if itemsize > 4:
+            raise ValueError(f"offload_optimizer nvme: optimizer state {kind!r} is {dtype}; "
+                             "swapped state must be 4 bytes per element or fewer")
+        self.kinds[kind] = dtype
+        self.aio.allocate(self._path(kind), max(self.total * itemsize, 1))
+
+    def _path(self, kind: str) -> str:
+        return self.dir.file(f"{kind}.swp")
+
+    def _buffer(self, slot: _Slot, kind: str) -> torch.Tensor:
+        if kind not in slot.buffers:
+            slot.buffers[kind] = aligned_empty(self.tile_capacity * 4, torch.uint8, pin=self.pin)
+        return slot.buffers[kind]
+
+    def _tile_bytes(self, k: int, kind: str) -> tuple[int, int]:
+        start, end = self.extent[k]
+        itemsize = torch.empty(0, dtype=self.kinds[kind]).element_size()
+        return start * itemsize, (end - start) * itemsize
+
+    def _view(self, slot: _Slot, k: int, pair: tuple[int, int], kind: str) -> torch.Tensor:
+        """Where ``pair``'s values of ``kind`` lie in the slot holding tile k."""
+        dtype = self.kinds[kind]
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        at = (self.offset[pair] - self.extent[k][0]) * itemsize
+        numel = self.groups[pair[0]].layout.segments[pair[1]].chunk_numel
+        return self._buffer(slot, kind)[at:at + numel * itemsize].view(dtype)
+
+    def _kinds_in(self, k: int) -> list[str]:
+        present = {MASTER}
+        for pair in self.tiles[k]:
+            present.update(self.keys_of.get(pair, ()))
+        return [kind for kind in self.kinds if kind in present]
+
+    def _swap_out_masters(self) -> None:
+        """Write each group's master into the master file and empty the master chunks (the
+        same tensor objects the inner optimizer holds): the host copy is freed."""
+        slot = self.slots[0]
+        for k, tile in enumerate(self.tiles):
+            for pair in tile:
+                self._view(slot, k, pair, MASTER).copy_(self._master(pair))
+            self._write(slot, k, [MASTER])
+            self._wait(slot.writes)
+            slot.writes = []
+        for fg in self.groups:
+            for master in fg.master_segments:
+                master.set_()
+            fg.master = torch.empty(0)  # still "a separate master": see FlatParamGroup
+            fg.swap = self
+
+    # -- transfers ----------------------------------------------------------------------------
+    def _read(self, slot: _Slot, k: int) -> None:
+        self._wait(slot.writes + slot.uses)
+        slot.writes, slot.uses = [], []
+        slot.tile = k
+        for kind in self._kinds_in(k):
+            offset, nbytes = self._tile_bytes(k, kind)
+            slot.reads.append(self.aio.read(self._buffer(slot, kind)[:nbytes], self._path(kind),
+                                            offset))
+            self.stats.read_bytes += nbytes
+
+    def _write(self, slot: _Slot, k: int, kinds: list[str]) -> None:
+        for kind in kinds:
+            offset, nbytes = self._tile_bytes(k, kind)
+            slot.writes.append(self.aio.write(self._buffer(slot, kind)[:nbytes],
+                                              self._path(kind), offset))
+            self.stats.write_bytes += nbytes
+
+    def _wait(self, handles: list[Handle]) -> None:
+        if not handles:
+            return
+        t0 = time.perf_counter()
+        for handle in handles:
+            handle.wait()
+        self.stats.wait_s += time.perf_counter() - t0
+
+    def _slot(self, k: int) -> _Slot:
+        return self.slots[k % len(self.slots)]
+
+    # -- pointing tensors at a slot -----------------------------------------------------------
+    def _master(self, pair: tuple[int, int]) -> torch.Tensor:
+        return self.groups[pair[0]].master_segments[pair[1]]
+
+    def _point(self, k: int, slot: _Slot) -> None:
+        for pair in self.tiles[k]:
+            master = self._master(pair)
+            master.set_(self._view(slot, k, pair, MASTER))
+            state = self._states(pair[0]).get(master, {})
+            for kind in self.keys_of.get(pair, ()):
+                value = state.get(kind)
+                if torch.is_tensor(value):
+                    value.set_(self._view(slot, k, pair, kind))
+        self._pointed.add(k)
+
+    def _unpoint(self, k: int) -> None:
+        for pair in self.tiles[k]:
+            master = self._master(pair)
+            master.set_()
+            for kind, value in self._states(pair[0]).get(master, {}).items():
+                if kind in self.keys_of.get(pair, ()) and torch.is_tensor(value):
+                    value.set_()
+        self._pointed.discard(k)
+
+    def _adopt(self, k: int, slot: _Slot) -> None:
+        """State tensors the optimizer created (its first step, a checkpoint load) become
+        views of the slot, so they are written with the tile and swapped from now on."""
+        for pair in self.tiles[k]:
+            master = self._master(pair)
+            state = self._states(pair[0]).get(master, {})
+            keys = set(self.keys_of.get(pair, ()))
+            for kind, value in state.items():
+                if not (torch.is_tensor(value) and value.dim() > 0
+                        and value.numel() == master.numel()):
+                    continue  # scalars and factored state stay in memory
+                if kind not in self.kinds:
+                    self._register(kind, value.dtype)
+                elif self.kinds[kind] != value.dtype:
+                    raise ValueError(f"offload_optimizer nvme: optimizer state {kind!r} "
+                                     f"changed dtype ({self.kinds[kind]} -> {value.dtype})")
+                view = self._view(slot, k, pair, kind)
+                if value.data_ptr() != view.data_ptr():  # not pointed at the slot yet
+                    view.copy_(value.reshape(-1))
+                    value.set_(view)
+                keys.add(kind)
+            self.keys_of[pair] = tuple(kind for kind in self.kinds if kind in keys)
+
+    # -- the step ---------------------------------------------------------------------------
+    def acquire(self, k: int) -> None:
+        """Tile k's master and state, in host memory and pointed at, for the step."""
+        slot = self._slot(k)
+        if slot.tile != k:  # not read ahead (pipeline_read) by the previous acquire
+            self._read(slot, k)
+        self._wait(slot.reads)
+        slot.reads = []
+        self._point(k, slot)
+        if self.pipeline_read and k + 1 < len(self.tiles):
+            self._read(self._slot(k + 1), k + 1)
+
+    def release(self, k: int, uses: list[Handle] = (), changed: bool = True) -> None:
+        """Tile k stepped: write it back (unless not ``changed``). ``uses``: copies still
+        reading its buffers (the device copies of its updated values), finished before the
+        slot is refilled."""
+        slot = self._slot(k)
+        if changed:
+            self._adopt(k, slot)
+            self._write(slot, k, self._kinds_in(k))
+        slot.uses = list(uses)
+        self._unpoint(k)
+        if not self.pipeline_write:
+            self._wait(slot.writes + slot.uses)
+            slot.writes, slot.uses = [], []
+
+    def finish(self) -> None:
+        """After a step (also one cut short by an error): every tile swapped out, every write
+        on the drive; the slots hold nothing a later step could mistake for current."""
+        for k in list(self._pointed):
+            self._unpoint(k)
+        for slot in self.slots:
+            self._wait(slot.reads + slot.writes + slot.uses)
+            slot.reads, slot.writes, slot.uses = [], [], []
+            slot.tile = None
+
+    # -- cold paths -------------------------------------------------------------------------
+    def visit(self, fg: FlatParamGroup, segments, write_back: bool):
+        """Yield lists of ``segments`` of ``fg`` whose master (and state) is resident, tile by
+        tile; with ``write_back`` each tile is written back after the caller is done with it."""
+        fi = self._index[id(fg)]
+        by_tile: dict[int, list[int]] = {}
+        for s in segments:
+            by_tile.setdefault(self.tile_of[(fi, s)], []).append(s)
+        self.finish()
+        for k in sorted(by_tile):
+            slot = self._slot(k)
+            self._read(slot, k)
+            self._wait(slot.reads)
+            slot.reads = []
+            self._point(k, slot)
+            try:
+                yield by_tile[k]
+                if write_back:
+                    self._adopt(k, slot)
+                    self._write(slot, k, self._kinds_in(k))
+            finally:
+                self._unpoint(k)
+                self._wait(slot.writes)
+                slot.writes, slot.tile = [], None
+
+    def file_bytes(self) -> int:
+        """Bytes this rank keeps on the drive."""
+        return sum(self.total * torch.empty(0, dtype=d).element_size()
+                   for d in self.kinds.values())
+
+    def host_bytes(self) -> int:
+        return sum(b.numel() for slot in self.slots for b in slot.buffers.values())
+
+    def close(self) -> None:
+        self.finish()
+        for kind in self.kinds:
+            self.aio.forget(self._path(kind))
+        self.dir.remove()
