@@ -100,8 +100,10 @@ def test_states_live_on_the_drive_and_stream_a_tile_at_a_time(trained, case):
     assert tiles > 2 and slots == (3 if pipelined else 1)
     kinds = 3 if opt == "adamw" else 2  # master + exp_avg, exp_avg_sq / momentum_buffer
     assert report["nvme_optimizer_states"] == kinds * 4 * total
-    # in host memory: the tiles' slots only (no master, no moments)
+    # in host memory: the tiles' slots only (no master, no moments), and no shard-sized fp32
+    # gradient copy either (bf16 gradients are converted a tile at a time)
     assert report["host_optimizer_states"] == slots * kinds * 4 * capacity
+    assert report["host_grads"] == 0
     # every step read and wrote every tile's master and state (the first read only masters;
     # a loss-scale overflow step reads nothing)
     skipped = 1 if precision == "fp16" else 0

@@ -85,9 +85,11 @@ class ZeroEngine:
 
         self._broadcast_module_state()  # every rank starts from rank 0's values, as in DDP
         order = {id(p): i for i, p in enumerate(module.parameters())}
+        # NVMe offload: the swap exists first, so the masters go to the drive as laid out
+        swap = self._nvme_swap(config) if zero.offload_optimizer.device == "nvme" else None
         self.flat_groups = lay_out_parameters(module, optimizer, order, self.sharding, comm,
                                               zero, self.precision, device, self._pin,
-                                              shard=shard)
+                                              shard=shard, master_sink=swap)
         if self.precision.mixed:
             self._cast_rest_of_module(self.precision.compute)
         partitioned = [fg for fg in self.flat_groups if fg.partitioned]
@@ -109,7 +111,8 @@ class ZeroEngine:
             check_order=zero.stage3_check_gather_order,
             leaf_modules=zero.stage3_leaf_modules) if partitioned else None
         reduce_dtype = self.precision.reduce if config.communication_data_type else None
-        self.offload = OptimizerOffload(self.flat_groups, reduce_dtype, self._pin) \
+        self.offload = OptimizerOffload(self.flat_groups, reduce_dtype, self._pin,
+                                        stream_grads=swap is not None) \
             if self.offload_optimizer else None
         scaler = LossScaler.from_config(config.fp16) if config.fp16.enabled else None
         self.reducer = GradReducer(
@@ -127,8 +130,7 @@ class ZeroEngine:
                                   zero.sub_group_size, config.on_nonfinite),
             loss_scaler=scaler, offload=self.offload, fetcher=self.fetcher,
             param_names={id(p): n for n, p in uncompiled(module).named_parameters()},
-            swap_to=self._swap_to(config)
-            if zero.offload_optimizer.device == "nvme" else None)
+            swap=swap)
         gathered.register(self.flat_groups, comm, self.fetcher)
         # the loop the user already has keeps working: their optimizer object and torch's
         # clip_grad_norm_ reach the sharded step (drop_in.py)
@@ -164,20 +166,16 @@ class ZeroEngine:
         itemsize = max((p.element_size() for p in self._managed_params()), default=4)
         return compiled.BucketSplit(max(1, zero.reduce_bucket_size) * itemsize)
 
-    def _swap_to(self, config: Config):
-        """NVMe offload: how the optimizer's sub-groups become tiles swapped under nvme_path."""
+    def _nvme_swap(self, config: Config):
+        """NVMe offload: the swap files under nvme_path and the I/O engine that moves them."""
         from ..ops.aio import AsyncFileIO
         from .optimizer_swap import OptimizerSwap
         from .swap_files import SwapDir
         off, aio = config.zero_optimization.offload_optimizer, config.aio
-
-        def build(sub_groups):
-            return OptimizerSwap(
-                self.flat_groups, sub_groups, SwapDir(off.nvme_path, self.comm.rank),
-                AsyncFileIO(aio.block_size, aio.queue_depth, aio.thread_count),
-                pipeline_read=off.pipeline_read, pipeline_write=off.pipeline_write,
-                pin=self._pin)
-        return build
+        return OptimizerSwap(SwapDir(off.nvme_path, self.comm.rank),
+                             AsyncFileIO(aio.block_size, aio.queue_depth, aio.thread_count),
+                             pipeline_read=off.pipeline_read, pipeline_write=off.pipeline_write,
+                             pin=self._pin)
 
     def close(self) -> None:
         """Remove every hook the engine put on the model and its parameters; close the

@@ -32,14 +32,16 @@ class FlatParamGroup:
                  shard_world: int, bucket_numel: int, device: torch.device, align: int = 16,
                  compute_dtype: torch.dtype | None = None, partitioned: bool = False,
                  units: list[int] | None = None, value_of=None,
-                 offload_master: bool = False, offload_shard: bool = False, pin: bool = False):
+                 offload_master: bool = False, offload_shard: bool = False, pin: bool = False,
+                 master_sink=None):
         """``shard_world``: the number of owners (the world size, or 1 at stage 0).
         ``compute_dtype``: the dtype the model computes in (default: the params' own).
         ``units``: stage 3's fetch unit per parameter; segments follow unit boundaries.
         ``value_of(p)``: a parameter's full value (default ``p.detach()``); called for every
         parameter in order on every rank, so it may be a collective (zero_init).
         ``offload_master`` / ``offload_shard``: keep the fp32 master / the partitioned shard in
-        host memory."""
+        host memory. ``master_sink`` (an OptimizerSwap; with ``offload_master``): the master
+        goes to the drive a segment at a time instead, never whole in memory."""
         self.params = params
         self.group_index = group_index
         self.rank = rank if shard_world > 1 else 0
@@ -58,10 +60,16 @@ class FlatParamGroup:
         self.shard_device = host if self.offload_shard else device
         # fp32 compute on the device: the parameters (or their shard) are the master, no copy
         separate_master = self.dtype != torch.float32 or offload_master
-        wanted = ([(torch.float32, self.master_device)] if separate_master else []) + \
-            ([(self.dtype, self.shard_device)] if partitioned else [])
-        shards = self._shards_of(params, value_of or (lambda p: p.detach()), wanted, pin)
-        self.master = shards[0] if separate_master else None
+        sink = master_sink if separate_master and offload_master else None
+        wanted = ([(torch.float32, self.master_device)] if separate_master and not sink
+                  else []) + ([(self.dtype, self.shard_device)] if partitioned else [])
+        sink_index = None if sink is None else \
+            sink.reserve([seg.chunk_numel for seg in self.layout.segments])
+        shards = self._shards_of(params, value_of or (lambda p: p.detach()), wanted, pin,
+                                 (sink, sink_index) if sink is not None else None)
+        # with a sink: an empty placeholder, still "a separate master" (not None)
+        self.master = (shards[0] if sink is None else torch.empty(0)) if separate_master \
+            else None
         if partitioned:
             self.shard = shards[-1]
             # One full-size tensor per segment whose *storage* is emptied when released and
@@ -82,26 +90,49 @@ class FlatParamGroup:
             for i, p in enumerate(params):
                 p.data = self.full.param_view(i)
         segments = range(len(self.layout.segments))
-        self.master_segments = [self.chunk(s) for s in segments] if self.master is None else \
-            shard_segment_views(self.master, self.layout)
-        self.swap = None  # an OptimizerSwap when the master lives on the drive
+        if self.master is None:
+            self.master_segments = [self.chunk(s) for s in segments]
+        elif sink is None:
+            self.master_segments = shard_segment_views(self.master, self.layout)
+        else:  # swapped out: empty until their tile is brought in
+            self.master_segments = [torch.empty(0) for _ in segments]
+        self.swap = sink  # an OptimizerSwap when the master lives on the drive
 
-    def _shards_of(self, params, value_of, wanted, pin: bool) -> list[torch.Tensor]:
-        """This rank's chunks of ``params``, one shard tensor per (dtype, device) in ``wanted``."""
+    def _shards_of(self, params, value_of, wanted, pin: bool,
+                   sink=None) -> list[torch.Tensor]:
+        """This rank's chunks of ``params``, one shard tensor per (dtype, device) in ``wanted``;
+        ``sink`` = (swap, group index): the fp32 master also, segment by segment, to the swap."""
         shards = [torch.zeros(self.layout.shard_numel, dtype=d, device=dev,
                               pin_memory=pin and dev.type == "cpu")
                   for d, dev in wanted]
-        if not shards:
+        if not shards and sink is None:
             return shards
         by_param: dict[int, list] = {}
         for piece in self.layout.shard_pieces(self.rank):
             by_param.setdefault(piece.param, []).append(piece)
+        segment_of = {i: s for s, seg in enumerate(self.layout.segments) for i in seg.params}
+        current, staging = -1, None  # the segment whose master is being assembled
+
+        def flush():
+            if staging is not None:
+                sink[0].put_master(sink[1], current, staging)
         for index, p in enumerate(params):  # every parameter, in order, on every rank
             source = value_of(p).reshape(-1)
+            if sink is not None and segment_of[index] != current:
+                if segment_of[index] < current:  # each segment is written once, whole
+                    raise RuntimeError("segments do not follow parameter order (a bug)")
+                flush()
+                current = segment_of[index]
+                seg = self.layout.segments[current]
+                staging = torch.zeros(seg.chunk_numel, dtype=torch.float32)
             for piece in by_param.get(index, ()):
+                values = source[piece.param_offset:piece.param_offset + piece.numel]
                 for shard in shards:
-                    piece.of_shard(shard).copy_(
-                        source[piece.param_offset:piece.param_offset + piece.numel])
+                    piece.of_shard(shard).copy_(values)
+                if sink is not None:
+                    begin = piece.shard_offset - self.layout.segments[current].shard_offset
+                    staging[begin:begin + piece.numel].copy_(values)
+        flush()
         return shards
 
     @property

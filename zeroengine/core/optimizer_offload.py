@@ -33,16 +33,19 @@ class OptimizerOffload:
     """Host-side buffers and copies of an offloaded optimizer step, per flat group."""
 
     def __init__(self, groups: list[FlatParamGroup], reduce_dtype: torch.dtype | None,
-                 pin: bool):
-        """``reduce_dtype``: the dtype reduced gradients arrive in (None: each group's own)."""
+                 pin: bool, stream_grads: bool = False):
+        """``reduce_dtype``: the dtype reduced gradients arrive in (None: each group's own).
+        ``stream_grads`` (NVMe offload, where host memory is what is short): no shard-sized
+        host gradient buffer; each sub-group's fp32 gradients are made when it steps."""
         self.groups = groups
         self.reduce_dtype = reduce_dtype
         self._index = {id(g): i for i, g in enumerate(groups)}
         self.grads: list[list[torch.Tensor] | None] = []
         self.low: list[list[torch.Tensor] | None] = []
-        for g in groups:
+        self._convert = [self._needs_grad_copy(g) for g in groups]  # not usable as reduced
+        for g, convert in zip(groups, self._convert):
             self.grads.append(self._host_views(g, torch.float32, pin)
-                              if self._needs_grad_copy(g) else None)
+                              if convert and not stream_grads else None)
             # The bf16/fp16 values the optimizer writes go straight into the chunk when it is
             # in host memory; otherwise into a host staging buffer sent to the device after.
             on_host = g.shard_device.type == "cpu" if g.partitioned else g.device.type == "cpu"
@@ -76,8 +79,8 @@ class OptimizerOffload:
     # -- used by ShardedOptimizer.step ----------------------------------------------------------
     def grad_segment(self, fi: int, s: int, device_grad: torch.Tensor) -> torch.Tensor:
         """The fp32 host gradient of segment s of flat group fi, ready for the CPU to read."""
-        if self.grads[fi] is None:
-            return device_grad
+        if self.grads[fi] is None:  # used as reduced, or converted now (stream_grads)
+            return device_grad.to(HOST, torch.float32) if self._convert[fi] else device_grad
         host = self.grads[fi][s]
         key = (fi, s)
         if key in self._grad_copies:

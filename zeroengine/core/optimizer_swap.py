@@ -20,6 +20,10 @@ stay in memory. An optimizer creates its state in its first step as ordinary ten
 ``release`` adopts every tensor the size of its parameter into the files, so any elementwise
 optimizer swaps, not only Adam.
 
+The master never exists whole in memory: FlatParamGroup writes it a segment at a time while
+the model is laid out (``reserve``, ``put_master``), before the step's tiles are known
+(``attach``); the files' layout depends on the groups alone, and a tile is a contiguous range.
+
 Cold paths (checkpoints, write-backs, consolidation) go through ``visit``: the tiles holding
 the wanted segments, one at a time, read synchronously and (when changed) written back.
 """
@@ -61,42 +65,83 @@ class SwapStats:
 
 
 class OptimizerSwap:
-    def __init__(self, groups: list[FlatParamGroup], tiles: list[list[tuple[int, int]]],
-                 swap_dir: SwapDir, aio: AsyncFileIO, *, pipeline_read: bool,
+    """Built before the flat groups: each group ``reserve``s its regions and writes its master
+    straight to the drive a segment at a time (``put_master``), so no rank ever holds its whole
+    master in memory, not even while the model is laid out; ``attach`` then hands over the
+    groups and the step's tiles."""
+
+    def __init__(self, swap_dir: SwapDir, aio: AsyncFileIO, *, pipeline_read: bool,
                  pipeline_write: bool, pin: bool = False):
-        """``tiles``: the step's sub-groups, (flat group, segment) pairs in step order. Writes
-        every group's master to the drive and frees its host copy."""
-        self.groups, self.tiles, self.dir, self.aio = groups, tiles, swap_dir, aio
+        self.dir, self.aio = swap_dir, aio
         self.pipeline_read, self.pipeline_write, self.pin = pipeline_read, pipeline_write, pin
-        self._index = {id(g): i for i, g in enumerate(groups)}
+        self.groups: list[FlatParamGroup] = []
+        self.tiles: list[list[tuple[int, int]]] = []
+        self._numels: list[list[int]] = []  # reserved group -> its segments' chunk sizes
         self.offset: dict[tuple[int, int], int] = {}  # element offset in every file
+        self.total = 0
         self.tile_of: dict[tuple[int, int], int] = {}
         self.extent: list[tuple[int, int]] = []  # tile -> [start, end) elements
-        end = 0
-        for k, tile in enumerate(tiles):
-            start = end
-            for pair in tile:
-                self.offset[pair] = end
-                self.tile_of[pair] = k
-                end += _aligned(groups[pair[0]].layout.segments[pair[1]].chunk_numel)
-            self.extent.append((start, end))
-        self.total = end
-        self.tile_capacity = max((e - s for s, e in self.extent), default=0)
-        self.kinds: dict[str, torch.dtype] = {}  # swapped kind -> dtype, master first
+        self.tile_capacity = 0
+        self.kinds: dict[str, torch.dtype] = {MASTER: torch.float32}  # master first
         self.keys_of: dict[tuple[int, int], tuple[str, ...]] = {}  # state kinds in the files
         self.slots = [_Slot() for _ in range(1 + pipeline_read + pipeline_write)]
         self.stats = SwapStats()
-        self._states = lambda fi: {}  # flat group -> its inner optimizer's state (bind())
+        self._states = lambda fi: {}  # flat group -> its inner optimizer's state (attach())
+        self._index: dict[int, int] = {}
         self._pointed: set[int] = set()
-        self._register(MASTER, torch.float32)
-        self._swap_out_masters()
+        self._staging = torch.empty(0)
 
-    def bind(self, states_of) -> None:
-        """``states_of(fi)``: the state mapping of the optimizer stepping flat group fi."""
-        self._states = states_of
+    # -- laying the model out -----------------------------------------------------------------
+    def reserve(self, chunk_numels: list[int]) -> int:
+        """Regions for the next flat group's segments (this rank's chunk sizes); returns the
+        group's index, which must be its index among the engine's flat groups."""
+        gi = len(self._numels)
+        self._numels.append(list(chunk_numels))
+        for s, numel in enumerate(chunk_numels):
+            self.offset[(gi, s)] = self.total
+            self.total += _aligned(numel)
+        self.aio.allocate(self._path(MASTER), max(self.total * 4, 1))
+        return gi
+
+    def put_master(self, gi: int, s: int, values: torch.Tensor) -> None:
+        """Write the initial fp32 master of group gi's segment s (its chunk on this rank)."""
+        numel = self._numels[gi][s]
+        if values.numel() != numel:
+            raise ValueError(f"segment {s} of group {gi}: {values.numel()} values for a chunk "
+                             f"of {numel}")
+        size = _aligned(numel)
+        if self._staging.numel() < size:
+            self._staging = aligned_empty(size, torch.float32)
+        self._staging[:numel].copy_(values)
+        self._staging[numel:size].zero_()
+        self._wait([self.aio.write(self._staging[:size], self._path(MASTER),
+                                   self.offset[(gi, s)] * 4)])
+        self.stats.write_bytes += size * 4
+
+    def attach(self, groups: list[FlatParamGroup], tiles: list[list[tuple[int, int]]],
+               states_of) -> None:
+        """The flat groups (as reserved, in order) and the step's sub-groups, which become the
+        tiles; ``states_of(fi)``: the state mapping of the optimizer stepping flat group fi."""
+        if [[seg.chunk_numel for seg in g.layout.segments] for g in groups] != self._numels:
+            raise RuntimeError("OptimizerSwap.attach: the flat groups are not the ones that "
+                               "reserved swap space (a bug)")
+        self.groups, self.tiles, self._states = groups, tiles, states_of
+        self._index = {id(g): i for i, g in enumerate(groups)}
+        self._staging = torch.empty(0)
+        end = 0
+        for k, tile in enumerate(tiles):
+            start = self.offset[tile[0]]
+            for pair in tile:
+                if self.offset[pair] != end:
+                    raise RuntimeError(f"tile {k} is not contiguous in the swap files (a bug)")
+                self.tile_of[pair] = k
+                end += _aligned(self._numels[pair[0]][pair[1]])
+            self.extent.append((start, end))
+        self.tile_capacity = max((e - s for s, e in self.extent), default=0)
 
     # -- files and buffers ----------------------------------------------------------------
     def _register(self, kind: str, dtype: torch.dtype) -> None:
+        """A new kind of per-element state: its file, the size of the master's."""
         itemsize = torch.empty(0, dtype=dtype).element_size()
         if itemsize > 4:
             raise ValueError(f"offload_optimizer nvme: optimizer state {kind!r} is {dtype}; "
@@ -122,7 +167,7 @@ class OptimizerSwap:
         dtype = self.kinds[kind]
         itemsize = torch.empty(0, dtype=dtype).element_size()
         at = (self.offset[pair] - self.extent[k][0]) * itemsize
-        numel = self.groups[pair[0]].layout.segments[pair[1]].chunk_numel
+        numel = self._numels[pair[0]][pair[1]]
         return self._buffer(slot, kind)[at:at + numel * itemsize].view(dtype)
 
     def _kinds_in(self, k: int) -> list[str]:
@@ -130,22 +175,6 @@ class OptimizerSwap:
         for pair in self.tiles[k]:
             present.update(self.keys_of.get(pair, ()))
         return [kind for kind in self.kinds if kind in present]
-
-    def _swap_out_masters(self) -> None:
-        """Write each group's master into the master file and empty the master chunks (the
-        same tensor objects the inner optimizer holds): the host copy is freed."""
-        slot = self.slots[0]
-        for k, tile in enumerate(self.tiles):
-            for pair in tile:
-                self._view(slot, k, pair, MASTER).copy_(self._master(pair))
-            self._write(slot, k, [MASTER])
-            self._wait(slot.writes)
-            slot.writes = []
-        for fg in self.groups:
-            for master in fg.master_segments:
-                master.set_()
-            fg.master = torch.empty(0)  # still "a separate master": see FlatParamGroup
-            fg.swap = self
 
     # -- transfers ----------------------------------------------------------------------------
     def _read(self, slot: _Slot, k: int) -> None:

@@ -20,11 +20,13 @@ from .zero_init import is_sharded, make_whole, materialize
 def lay_out_parameters(module: nn.Module, optimizer: torch.optim.Optimizer,
                        order: dict[int, int], sharding: Sharding, comm: Comm, zero: ZeroConfig,
                        precision: Precision, device: torch.device,
-                       pin: bool, shard: Comm | None = None) -> list[FlatParamGroup]:
+                       pin: bool, shard: Comm | None = None,
+                       master_sink=None) -> list[FlatParamGroup]:
     """One FlatParamGroup per (optimizer group, dtype); at stage 3 split further into
     parameters kept whole (below stage3_param_persistence_threshold elements) and
     partitioned ones, whose segments follow the modules that hold them. ``shard``: the ranks
-    the states are sharded over (hybrid sharding: a group of ``comm``; default ``comm``)."""
+    the states are sharded over (hybrid sharding: a group of ``comm``; default ``comm``).
+    ``master_sink``: NVMe offload's OptimizerSwap, which takes each group's master."""
     shard = shard or comm
     shard_world = shard.world_size if sharding.optimizer_state else 1
     bucket = max(1, zero.reduce_bucket_size)  # 0 (DeepSpeed accepts it): one parameter each
@@ -42,7 +44,11 @@ def lay_out_parameters(module: nn.Module, optimizer: torch.optim.Optimizer,
             make_whole(p, comm)
 
     def value_of(p):  # a collective for zero_init parameters, called in the same order
-        return materialize(p, comm) if is_sharded(p) else p.detach()
+        if not is_sharded(p):
+            return p.detach()
+        full = materialize(p, comm)
+        del p._ze_slice  # its values go into the group's shard now: freed as the shard fills
+        return full
 
     groups: list[FlatParamGroup] = []
     for gi, group in enumerate(optimizer.param_groups):
@@ -65,15 +71,14 @@ def lay_out_parameters(module: nn.Module, optimizer: torch.optim.Optimizer,
                         device, compute_dtype=dtype, partitioned=True,
                         units=[owner[id(p)] for p in split], value_of=value_of,
                         offload_master=offload_master,
-                        offload_shard=zero.offload_param.device == "cpu", pin=pin))
-                    for p in split:
-                        if is_sharded(p):
-                            del p._ze_slice  # its values now live in the group's shard
+                        offload_shard=zero.offload_param.device == "cpu", pin=pin,
+                        master_sink=master_sink))
             if whole:
                 groups.append(FlatParamGroup(whole, gi, shard.rank, shard_world,
                                              bucket, device,
                                              compute_dtype=dtype,
-                                             offload_master=offload_master, pin=pin))
+                                             offload_master=offload_master, pin=pin,
+                                             master_sink=master_sink))
     return groups
 
 

@@ -71,11 +71,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def __init__(self, base: torch.optim.Optimizer, flat_groups: list[FlatParamGroup],
                  reducer: GradReducer, comm: Comm, *, sharding: Sharding, settings: StepSettings,
                  loss_scaler: LossScaler | None = None, offload: OptimizerOffload | None = None,
-                 fetcher=None, param_names: dict[int, str] | None = None, swap_to=None):
+                 fetcher=None, param_names: dict[int, str] | None = None, swap=None):
         """Collaborators: ``reducer`` makes the gradients final, ``offload`` (optional) holds
         the step's host buffers, ``fetcher`` (stage 3) refreshes segments gathered across the
-        step. ``swap_to(sub_groups)`` (NVMe offload): builds the OptimizerSwap that takes the
-        masters and state to the drive, tile = sub-group."""
+        step. ``swap`` (NVMe offload): the OptimizerSwap holding the masters on the drive; the
+        state joins them, and each sub-group becomes one of its tiles."""
         # Deliberately not calling Optimizer.__init__: it would copy the groups, and sharing the
         # user's dicts is what keeps their schedulers working.
         init_without_copying_groups(self, base.defaults)
@@ -100,8 +100,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._part_of: dict[int, int] = {}  # flat group index -> index into self.parts
         self._build_inner(base)
         self.sub_groups = self._plan_sub_groups(settings.sub_group_numel)
-        self.swap = None
-        if swap_to is not None:
+        self.swap = swap
+        if swap is not None:
             if self.owned:
                 names = sorted({type(self.parts[self._part_of[fi]].optimizer).__name__
                                 for fi in self.owned})
@@ -110,8 +110,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     f"tiles of flat shards; {', '.join(names)} updates whole tensors "
                     "(tensor-wise), so its state cannot be tiled: use offload_optimizer.device "
                     "'cpu' for it")
-            self.swap = swap_to(self.sub_groups)
-            self.swap.bind(lambda fi: self.parts[self._part_of[fi]].optimizer.state)
+            swap.attach(self.flat_groups, self.sub_groups,
+                        lambda fi: self.parts[self._part_of[fi]].optimizer.state)
 
     def _build_inner(self, base: torch.optim.Optimizer) -> None:
         """One inner optimizer per (user optimizer, kind of update), over the rank's master

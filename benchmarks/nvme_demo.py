@@ -1,0 +1,293 @@
+"""NVMe offload demonstration: train a GPT whose model states do not fit in the memory the job
+may use (`make nvme-demo`).
+
+Two ranks train a byte-level GPT at ZeRO stage 3, bf16, built sharded (zero_init), with the
+optimizer offloaded to the drive (configs/zero3_nvme.json: fp32 master, Adam's moments in swap
+files under --nvme-path, streamed a sub-group tile at a time). Memory is capped two ways:
+- every rank's peak resident set (the kernel's VmHWM) must stay under --cap-gb, checked at the
+  end (the documented RSS cap), and
+- where this machine lets us (root with a cgroup v1 memory controller or cgroup v2), the whole
+  job runs in a memory cgroup limited to ranks x cap: exceeding it kills the job (OOM), so the
+  cap is enforced, not just observed.
+The model states per rank (fp32 master + moments on the drive, bf16 parameter shard in memory)
+are reported next to the cap; the target is >= 1.5x. Each step's time is split into compute
+(forward + backward, with their communication), disk (time the step waited for the drive),
+CPU Adam and the rest of the step. Then, unless --no-compare, the same model with
+offload_optimizer.device 'cpu' (states in host memory) runs two steps without a cap, and its
+peak RSS is what the job would need without NVMe.
+
+    python benchmarks/nvme_demo.py [--dim 1536 --layers 10 --steps 8 --cap-gb 1.4]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+CONFIG = os.path.join(ROOT, "configs", "zero3_nvme.json")
+GB = 1e9
+
+
+def status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+# -- the rank ---------------------------------------------------------------------------------
+def rank_main(args) -> None:
+    import torch
+
+    import zeroengine
+    from zeroengine.examples.gpt import GPT, GPTConfig, num_params
+    from zeroengine.tools.train_job import stdlib_corpus
+
+    torch.manual_seed(0)
+    config = json.load(open(CONFIG))
+    offload = config["zero_optimization"]["offload_optimizer"]
+    offload["device"] = args.device
+    offload["nvme_path"] = args.nvme_path
+    cfg = GPTConfig(context=args.context, layers=args.layers, heads=args.heads, dim=args.dim)
+    t0 = time.perf_counter()
+    with zeroengine.zero_init(config):
+        model = GPT(cfg)
+    engine = zeroengine.initialize(model, config)
+    init_s = time.perf_counter() - t0
+    rank = engine.comm.rank
+    after_init_kb = status_kb("VmRSS")
+    swap = engine.optimizer.swap
+    adam_s = [0.0]
+    for part in engine.optimizer.parts:  # time the CPU Adam passes themselves
+        inner = part.optimizer
+        step = inner.step
+
+        def timed(*a, _step=step, **k):
+            t = time.perf_counter()
+            try:
+                return _step(*a, **k)
+            finally:
+                adam_s[0] += time.perf_counter() - t
+        inner.step = timed
+    data, _ = stdlib_corpus(4_000_000)
+    gen = torch.Generator().manual_seed(1234 + rank)
+    micro = config["train_micro_batch_size_per_gpu"]
+    rows = []
+    for step in range(args.steps):
+        idx = torch.randint(0, len(data) - cfg.context - 1, (micro,), generator=gen)
+        window = torch.stack([data[i:i + cfg.context + 1] for i in idx])
+        t = time.perf_counter()
+        loss = model.loss(window[:, :-1], window[:, 1:])
+        engine.backward(loss)
+        compute = time.perf_counter() - t
+        adam0, wait0 = adam_s[0], swap.stats.wait_s if swap else 0.0
+        read0, write0 = (swap.stats.read_bytes, swap.stats.write_bytes) if swap else (0, 0)
+        t = time.perf_counter()
+        engine.step()
+        step_s = time.perf_counter() - t
+        disk = (swap.stats.wait_s - wait0) if swap else 0.0
+        adam = adam_s[0] - adam0
+        rows.append({"step": step, "loss": loss.item(), "compute_s": compute, "step_s": step_s,
+                     "disk_wait_s": disk, "adam_s": adam,
+                     "other_s": step_s - disk - adam,
+                     "read_gb": ((swap.stats.read_bytes - read0) / GB) if swap else 0.0,
+                     "write_gb": ((swap.stats.write_bytes - write0) / GB) if swap else 0.0})
+        if rank == 0:
+            r = rows[-1]
+            print(f"  step {step}: loss {r['loss']:.3f}  compute {r['compute_s']:.2f} s  step "
+                  f"{r['step_s']:.2f} s (disk wait {r['disk_wait_s']:.2f}, Adam "
+                  f"{r['adam_s']:.2f}, other {r['other_s']:.2f})", flush=True)
+    report = engine.memory_report()
+    params_shard = sum(fg.nbytes() + fg.nbytes(host=True) for fg in engine.flat_groups)
+    out = {"rank": rank, "params": num_params(model) if rank == 0 else None,
+           "init_s": init_s, "rows": rows, "memory_report": report,
+           "param_shard_bytes": params_shard,
+           "optimizer_state_bytes": (swap.file_bytes() if swap else
+                                     report["host_optimizer_states"]),
+           "swap_host_bytes": swap.host_bytes() if swap else 0,
+           "tiles": len(swap.tiles) if swap else 0,
+           "aio_backend": swap.aio.backend if swap else None,
+           "rss_after_init_kb": after_init_kb, "peak_rss_kb": status_kb("VmHWM")}
+    engine.close()
+    with open(args.out, "w") as f:
+        json.dump(out, f)
+
+
+# -- the launcher -------------------------------------------------------------------------------
+def make_cgroup(limit_bytes: int) -> tuple[str | None, str]:
+    """A memory cgroup limited to ``limit_bytes`` (v1 or v2) if this process may make one:
+    (path of its procs file, how the cap is enforced)."""
+    name = f"zeroengine_nvme_demo_{os.getpid()}"
+    v1 = "/sys/fs/cgroup/memory"
+    v2 = "/sys/fs/cgroup"
+    try:
+        if os.path.exists(os.path.join(v1, "memory.limit_in_bytes")):
+            path = os.path.join(v1, name)
+            os.makedirs(path, exist_ok=True)
+            with open(os.path.join(path, "memory.limit_in_bytes"), "w") as f:
+                f.write(str(limit_bytes))
+            return path, f"cgroup v1 memory.limit_in_bytes={limit_bytes / GB:.2f} GB for the job"
+        if os.path.exists(os.path.join(v2, "cgroup.controllers")):
+            path = os.path.join(v2, name)
+            os.makedirs(path, exist_ok=True)
+            with open(os.path.join(path, "memory.max"), "w") as f:
+                f.write(str(limit_bytes))
+            return path, f"cgroup v2 memory.max={limit_bytes / GB:.2f} GB for the job"
+    except OSError as e:
+        return None, f"no cgroup ({e.strerror}): the per-rank peak RSS check only"
+    return None, "no memory cgroup here: the per-rank peak RSS check only"
+
+
+def launch(args, device: str, cgroup: str | None) -> list[dict]:
+    port = _free_port()
+    procs, outs = [], []
+    for rank in range(args.ranks):
+        out = os.path.join(args.workdir, f"{device}-rank{rank}.json")
+        outs.append(out)
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank),
+                   WORLD_SIZE=str(args.ranks), LOCAL_WORLD_SIZE=str(args.ranks),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        cmd = [sys.executable, os.path.abspath(__file__), "--rank-of-job", "--device", device,
+               "--out", out] + _forward(args)
+
+        def enter(cg=cgroup):
+            if cg:  # before exec: the rank's every byte is charged to the cgroup
+                with open(os.path.join(cg, "cgroup.procs"), "w") as f:
+                    f.write(str(os.getpid()))
+        procs.append(subprocess.Popen(cmd, env=env, preexec_fn=enter))
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        raise SystemExit(f"{device} run failed: exit codes {codes} (-9: killed, e.g. by the "
+                         "memory cgroup's OOM killer)")
+    return [json.load(open(o)) for o in outs]
+
+
+def _forward(args) -> list[str]:
+    return ["--dim", str(args.dim), "--layers", str(args.layers), "--heads", str(args.heads),
+            "--context", str(args.context), "--steps", str(args.steps),
+            "--nvme-path", args.nvme_path]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def summarize(args, nvme: list[dict], cpu: list[dict] | None, enforced: str) -> dict:
+    cap = args.cap_gb * GB
+    r0 = nvme[0]
+    states = [r["optimizer_state_bytes"] + r["param_shard_bytes"] for r in nvme]
+    peaks = [r["peak_rss_kb"] * 1024 for r in nvme]
+    rows = r0["rows"]
+    steady = rows[1:] or rows  # the first step also creates the moments
+
+    def median(key):
+        values = sorted(r[key] for r in steady)
+        return values[len(values) // 2]
+    summary = {
+        "params": r0["params"], "ranks": args.ranks, "cap_per_rank_gb": args.cap_gb,
+        "enforced_by": enforced, "aio_backend": r0["aio_backend"], "tiles": r0["tiles"],
+        "model_states_per_rank_gb": [s / GB for s in states],
+        "states_over_cap": min(states) / cap,
+        "peak_rss_per_rank_gb": [p / GB for p in peaks],
+        "under_cap": all(p <= cap for p in peaks),
+        "losses": [r["loss"] for r in rows],
+        "loss_went_down": rows[-1]["loss"] < rows[0]["loss"],
+        "median_step": {k: median(k) for k in ("compute_s", "step_s", "disk_wait_s", "adam_s",
+                                               "other_s", "read_gb", "write_gb")},
+        "init_s": r0["init_s"], "nvme_rows": rows,
+    }
+    if cpu is not None:
+        summary["without_nvme_peak_rss_per_rank_gb"] = [r["peak_rss_kb"] * 1024 / GB
+                                                        for r in cpu]
+        summary["without_nvme_step"] = {k: sorted(r[k] for r in cpu[0]["rows"][1:] or
+                                                  cpu[0]["rows"])[0]
+                                        for k in ("compute_s", "step_s", "adam_s")}
+    return summary
+
+
+def print_summary(s: dict) -> None:
+    print(f"\nGPT {s['params'] / 1e6:.0f}M parameters, {s['ranks']} ranks, stage 3 bf16, "
+          f"optimizer on NVMe ({s['aio_backend']}, {s['tiles']} tiles per rank)")
+    print(f"cap: {s['cap_per_rank_gb']:.2f} GB per rank ({s['enforced_by']})")
+    print("| rank | model states (GB) | states / cap | peak RSS (GB) | under cap |")
+    print("|---|---|---|---|---|")
+    for r, (st, pk) in enumerate(zip(s["model_states_per_rank_gb"], s["peak_rss_per_rank_gb"])):
+        print(f"| {r} | {st:.2f} | {st / s['cap_per_rank_gb']:.2f}x | {pk:.2f} | "
+              f"{'yes' if pk <= s['cap_per_rank_gb'] else 'NO'} |")
+    m = s["median_step"]
+    print(f"\nloss {' -> '.join(f'{x:.3f}' for x in s['losses'])}")
+    print("\nmedian step after the first (rank 0, s):")
+    print("| compute (fwd+bwd) | optimizer step | of which: disk wait | CPU Adam | rest |"
+          " read GB | written GB |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| {m['compute_s']:.2f} | {m['step_s']:.2f} | {m['disk_wait_s']:.2f} | "
+          f"{m['adam_s']:.2f} | {m['other_s']:.2f} | {m['read_gb']:.2f} | {m['write_gb']:.2f} |")
+    if "without_nvme_peak_rss_per_rank_gb" in s:
+        peaks = s["without_nvme_peak_rss_per_rank_gb"]
+        w = s["without_nvme_step"]
+        print(f"\nwithout NVMe (offload_optimizer cpu, no cap): peak RSS per rank "
+              f"{', '.join(f'{p:.2f}' for p in peaks)} GB = {max(peaks) / s['cap_per_rank_gb']:.2f}x "
+              f"the cap; step {w['step_s']:.2f} s (Adam {w['adam_s']:.2f}), compute "
+              f"{w['compute_s']:.2f} s")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dim", type=int, default=1536)
+    ap.add_argument("--layers", type=int, default=10)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--cap-gb", type=float, default=1.4, help="peak RSS allowed per rank")
+    ap.add_argument("--nvme-path", default=None, help="default: a directory under the repo")
+    ap.add_argument("--no-compare", action="store_true",
+                    help="skip the run without NVMe (states in host memory)")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--rank-of-job", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--device", default="nvme", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.rank_of_job:
+        rank_main(args)
+        return
+    args.nvme_path = args.nvme_path or os.path.join(ROOT, ".nvme_swap")
+    os.makedirs(args.nvme_path, exist_ok=True)
+    with tempfile.TemporaryDirectory() as workdir:
+        args.workdir = workdir
+        cgroup, enforced = make_cgroup(int(args.cap_gb * GB * args.ranks))
+        print(f"training under a cap of {args.cap_gb:.2f} GB per rank: {enforced}", flush=True)
+        try:
+            nvme = launch(args, "nvme", cgroup)
+        finally:
+            if cgroup:
+                os.rmdir(cgroup)
+        cpu = None
+        if not args.no_compare:
+            print("the same model without NVMe (optimizer states in host memory), no cap:",
+                  flush=True)
+            args.steps = 2
+            cpu = launch(args, "cpu", None)
+    summary = summarize(args, nvme, cpu, enforced)
+    print_summary(summary)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
+    ok = summary["under_cap"] and summary["loss_went_down"]
+    if not ok:
+        raise SystemExit("FAILED: " + ("peak RSS over the cap" if not summary["under_cap"]
+                                       else "the loss did not go down"))
+
+
+if __name__ == "__main__":
+    main()
