@@ -8,7 +8,7 @@ TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed-$(subst =,_,$(TORCH))
 SOURCES := setup.py $(wildcard csrc/*/*.cpp csrc/*/*.cu csrc/*/*.cuh csrc/*/*.h)
 
-.PHONY: setup test demo bench compare docs clean
+.PHONY: setup test demo nvme-demo bench compare docs clean
 
 $(STAMP): $(SOURCES)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -31,6 +31,11 @@ test: setup
 demo: setup
 	$(PY) -m pip install -q tqdm matplotlib
 	$(VENV)/bin/zeroengine train configs/demo_zero3.json --nproc 2
+
+# NVMe offload under a memory cap: a 511M-parameter GPT at 2 ranks whose model states are 1.6x
+# the memory each rank may use (docs/nvme.md); about 6 minutes here, swap files in .nvme_swap/
+nvme-demo: setup
+	OMP_NUM_THREADS=1 $(PY) benchmarks/nvme_demo.py --json bench_out/nvme_demo.json
 
 bench: setup
 	$(PY) benchmarks/step_bench.py

@@ -219,3 +219,25 @@ def test_nvme_checkpoints_reshard_both_ways(tmp_path, pair):
     from safetensors.torch import load_file
     err, where = max_relative_error(load_file(str(out / "model.safetensors")), saved)
     assert err == 0.0, f"{err:.2e} at {where}"
+
+
+def test_nvme_demo_runs_under_its_cap(tmp_path):
+    """benchmarks/nvme_demo.py (`make nvme-demo`) at a tiny size: the job runs under the cap
+    it enforces, the loss goes down, the step is split into disk / Adam / rest."""
+    out = tmp_path / "demo.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "nvme_demo.py"), "--dim", "128",
+         "--layers", "2", "--heads", "4", "--steps", "8", "--cap-gb", "3", "--no-compare",
+         "--no-fio", "--nvme-path", str(tmp_path / "swap"), "--json", str(out)],
+        capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    import json
+    result = json.loads(out.read_text())
+    assert result["under_cap"] and result["loss_went_down"]
+    assert len(result["losses"]) == 8 and result["tiles"] >= 1
+    step = result["median_step"]
+    assert step["read_gb"] > 0 and step["write_gb"] > 0 and step["adam_s"] > 0
+    for row in result["nvme_rows"]:
+        assert row["disk_wait_s"] >= 0 and row["other_s"] >= 0
+        assert abs(row["disk_wait_s"] + row["adam_s"] + row["other_s"] - row["step_s"]) < 1e-6
+    assert os.listdir(tmp_path / "swap" / ROOT_NAME) == []  # swap files removed at the end

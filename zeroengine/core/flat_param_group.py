@@ -102,13 +102,23 @@ class FlatParamGroup:
                    sink=None) -> list[torch.Tensor]:
         """This rank's chunks of ``params``, one shard tensor per (dtype, device) in ``wanted``;
         ``sink`` = (swap, group index): the fp32 master also, segment by segment, to the swap."""
-        shards = [torch.zeros(self.layout.shard_numel, dtype=d, device=dev,
+        # Uninitialised, and only the padding zeroed now: the pages of the values are touched
+        # as the values arrive, while zero_init's slices are freed one parameter at a time, so
+        # the shards and the slices are not both whole in memory at once.
+        shards = [torch.empty(self.layout.shard_numel, dtype=d, device=dev,
                               pin_memory=pin and dev.type == "cpu")
                   for d, dev in wanted]
+        pieces = self.layout.shard_pieces(self.rank)
+        for shard in shards:
+            covered = 0
+            for piece in sorted(pieces, key=lambda p: p.shard_offset):
+                shard[covered:piece.shard_offset].zero_()
+                covered = piece.shard_offset + piece.numel
+            shard[covered:].zero_()
         if not shards and sink is None:
             return shards
         by_param: dict[int, list] = {}
-        for piece in self.layout.shard_pieces(self.rank):
+        for piece in pieces:
             by_param.setdefault(piece.param, []).append(piece)
         segment_of = {i: s for s, seg in enumerate(self.layout.segments) for i in seg.params}
         current, staging = -1, None  # the segment whose master is being assembled
