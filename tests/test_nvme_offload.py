@@ -241,3 +241,38 @@ def test_nvme_demo_runs_under_its_cap(tmp_path):
         assert row["disk_wait_s"] >= 0 and row["other_s"] >= 0
         assert abs(row["disk_wait_s"] + row["adam_s"] + row["other_s"] - row["step_s"]) < 1e-6
     assert os.listdir(tmp_path / "swap" / ROOT_NAME) == []  # swap files removed at the end
+
+
+def save_and_load_in_tiles(root):
+    """Save and load with every whole-shard path made to fail: an NVMe run's checkpoint never
+    holds the rank's master or state whole in memory."""
+    from zeroengine.core.flat_param_group import FlatParamGroup
+    from zeroengine.core.sharded_optimizer import ShardedOptimizer
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a whole shard was built")
+    engine = ckpt_engine(2, "nvme", os.path.join(root, "swap"))
+    for step in range(SAVE_AT):
+        run_step(engine, step, 1)
+    before = engine.consolidated_state_dict()
+    for cls, name in ((FlatParamGroup, "master_shard"), (FlatParamGroup, "load_master_shard"),
+                      (ShardedOptimizer, "shard_state"), (ShardedOptimizer, "load_shard_state")):
+        setattr(cls, name, refuse)
+    engine.save_checkpoint(os.path.join(root, "ckpt"))
+    engine.close()
+    engine = ckpt_engine(2, "nvme", os.path.join(root, "swap"), seed=7)
+    engine.load_checkpoint(os.path.join(root, "ckpt"))
+    loaded = engine.consolidated_state_dict()
+    for step in range(SAVE_AT, 4):
+        run_step(engine, step, 1)
+    after = engine.consolidated_state_dict()
+    engine.close()
+    return before, loaded, after
+
+
+def test_nvme_checkpoints_stream_a_tile_at_a_time(tmp_path):
+    before, loaded, after = run_ranks(2, save_and_load_in_tiles, str(tmp_path))[0]
+    err, where = max_relative_error(loaded, before)
+    assert err == 0.0, f"{err:.2e} at {where}"
+    err, where = max_relative_error(after, reference([2] * 4))
+    assert err <= 1e-6, f"{err:.2e} at {where}"

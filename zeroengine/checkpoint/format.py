@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import shutil
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -201,6 +202,43 @@ def locate(group: dict, flat_begin: int, numel: int) -> list[Piece]:
         pieces.append(Piece(rank, shard_offset + within, n, done))
         done += n
     return pieces
+
+
+class StreamedSafetensors:
+    """A safetensors file written in place a range at a time: the header (every tensor's name,
+    dtype and length) first, then each range where it belongs, so no tensor has to be whole in
+    memory (NVMe offload saves a rank's master and state a tile at a time). Ranges never
+    written read as zeros."""
+
+    _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+               torch.float64: "F64", torch.int64: "I64", torch.int32: "I32"}
+
+    def __init__(self, path: str, specs: list[tuple[str, torch.dtype, int]]):
+        """``specs``: (name, dtype, numel) of every tensor, 1-D."""
+        header, self._where, end = {}, {}, 0
+        for name, dtype, numel in specs:
+            itemsize = torch.empty(0, dtype=dtype).element_size()
+            header[name] = {"dtype": self._DTYPES[dtype], "shape": [numel],
+                            "data_offsets": [end, end + numel * itemsize]}
+            self._where[name] = (end, itemsize, dtype)
+            end += numel * itemsize
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.write(self._fd, struct.pack("<Q", len(text)) + text)
+        self._start = 8 + len(text)
+        os.ftruncate(self._fd, self._start + end)
+
+    def write(self, name: str, element_offset: int, values: torch.Tensor) -> None:
+        begin, itemsize, dtype = self._where[name]
+        data = memoryview(values.detach().to("cpu", dtype).contiguous().reshape(-1)
+                          .view(torch.uint8).numpy())
+        at, done = self._start + begin + element_offset * itemsize, 0
+        while done < len(data):
+            done += os.pwrite(self._fd, data[done:], at + done)
+
+    def close(self) -> None:
+        os.close(self._fd)
 
 
 class ShardReader:

@@ -103,6 +103,9 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None,
     names = _names(engine)
     tensors: dict[str, torch.Tensor] = {}
     groups_meta = []
+    # NVMe offload: the master and state are written a tile at a time, never whole in memory
+    streamed = engine.optimizer.swap is not None
+    specs, to_stream = [], []
     # hybrid sharding: every shard group holds the same states; the first one writes them
     # (its ranks are world ranks 0..K-1, so the files read as a K-rank checkpoint's)
     writes_states = engine.topology.shard_group_index == 0
@@ -110,14 +113,21 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None,
         if (fg.layout.world_size == 1 and comm.rank != 0) or not writes_states:
             continue  # stage 0: one owner, rank 0 writes for all
         owned = engine.optimizer.owned.get(gi)
-        if owned is None:
+        if streamed:  # (tensor-wise optimizers are refused with NVMe offload)
+            elementwise, scalars = engine.optimizer.shard_state_kinds(fg)
+            numel = fg.layout.shard_numel
+            specs += [(f"{gi}.master", torch.float32, numel)] + \
+                [(f"{gi}.state.{key}", dtype, numel) for key, dtype in elementwise.items()]
+            to_stream.append((gi, fg, elementwise))
+        elif owned is None:
             elementwise, scalars = engine.optimizer.shard_state(fg)
         else:  # tensor-wise: each owner saves its parameters' whole state, by name
             elementwise, scalars = {}, {}
             tensors.update(_owned_state_tensors(engine, gi, fg, names))
-        tensors[f"{gi}.master"] = fg.master_shard()
-        for key, value in elementwise.items():
-            tensors[f"{gi}.state.{key}"] = value
+        if not streamed:
+            tensors[f"{gi}.master"] = fg.master_shard()
+            for key, value in elementwise.items():
+                tensors[f"{gi}.state.{key}"] = value
         groups_meta.append({  # used by rank 0, which owns a part of every group
             "optimizer_group": fg.group_index, "dtype": str(fg.dtype).replace("torch.", ""),
             "shard_world": fg.layout.world_size, "partitioned": fg.partitioned,
@@ -128,7 +138,18 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None,
             # tensor-wise: the rank file holding each parameter's whole optimizer state
             "owners": None if owned is None else list(owned.partition.owner)})
     st_path = os.path.join(tmp, fmt.rank_file(comm.rank, "safetensors"))
-    save_file(tensors, st_path)
+    if streamed:
+        writer = fmt.StreamedSafetensors(st_path, specs)
+        try:
+            for gi, fg, kinds in to_stream:
+                engine.optimizer.stream_shard_state(
+                    fg, kinds, lambda key, seg, values, gi=gi: writer.write(
+                        f"{gi}.master" if key == "master" else f"{gi}.state.{key}",
+                        seg.shard_offset, values))
+        finally:
+            writer.close()
+    else:
+        save_file(tensors, st_path)
     extras = {"rng": _rng_state()}
     if comm.rank == 0:
         extras["client_state"] = client_state or {}
@@ -302,7 +323,6 @@ def _check_optimizer_compatible(engine, meta: dict, path: str) -> None:
 
 def _load_group(engine, fg, names, meta, reader, load_states: bool, path: str) -> None:
     """Fill the rank's master (and optimizer state) for every element the new layout gives it."""
-    master = torch.zeros(fg.layout.shard_numel, dtype=torch.float32)
     state_keys: set[str] = set()
     scalars: dict = {}
     located = []
@@ -317,11 +337,17 @@ def _load_group(engine, fg, names, meta, reader, load_states: bool, path: str) -
         if shape != expected:
             raise CheckpointError(f"parameter {name!r} has shape {tuple(expected)} but "
                                   f"{os.path.join(path, fmt.META)} saved {tuple(shape)}")
-        reader.read(gi, "master", offset + piece.param_offset, piece.numel,
-                    piece.of_shard(master))
         located.append((piece, gi, offset))
         state_keys.update(meta["groups"][gi]["state_keys"])
         scalars.update(meta["groups"][gi]["scalar_state"])
+    if engine.optimizer.swap is not None:
+        _load_group_streamed(engine, fg, located, meta, reader,
+                             state_keys if load_states else set(), scalars)
+        return
+    master = torch.zeros(fg.layout.shard_numel, dtype=torch.float32)
+    for piece, gi, offset in located:
+        reader.read(gi, "master", offset + piece.param_offset, piece.numel,
+                    piece.of_shard(master))
     fg.load_master_shard(master)
     if not load_states or not state_keys:
         return
@@ -331,6 +357,30 @@ def _load_group(engine, fg, names, meta, reader, load_states: bool, path: str) -
             reader.read(gi, f"state.{key}", offset + piece.param_offset, piece.numel,
                         piece.of_shard(shards[key]))
     engine.optimizer.load_shard_state(fg, shards, scalars)
+
+
+def _load_group_streamed(engine, fg, located, meta, reader, state_keys: set,
+                         scalars: dict) -> None:
+    """NVMe offload: the same, read a tile at a time straight into the swapped master and
+    state (written back to the drive after each tile), so nothing is whole in memory."""
+    by_segment: dict[int, list] = {}
+    for entry in located:
+        piece = entry[0]
+        s = next(i for i, seg in enumerate(fg.layout.segments)
+                 if seg.shard_offset <= piece.shard_offset < seg.shard_offset + seg.chunk_numel)
+        by_segment.setdefault(s, []).append(entry)
+    for s in fg.resident_masters(write_back=True):
+        start = fg.layout.segments[s].shard_offset
+        master = fg.master_segments[s]
+        master.zero_()
+        targets = engine.optimizer.segment_state_targets(fg, s, sorted(state_keys), scalars) \
+            if state_keys else {}
+        for piece, gi, offset in by_segment.get(s, ()):
+            at = slice(piece.shard_offset - start, piece.shard_offset - start + piece.numel)
+            reader.read(gi, "master", offset + piece.param_offset, piece.numel, master[at])
+            for key in meta["groups"][gi]["state_keys"] if state_keys else ():
+                reader.read(gi, f"state.{key}", offset + piece.param_offset, piece.numel,
+                            targets[key][at])
 
 
 def _load_owned_state(engine, fi: int, fg, names, meta, reader, path: str) -> None:

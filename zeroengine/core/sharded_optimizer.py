@@ -592,25 +592,66 @@ class ShardedOptimizer(torch.optim.Optimizer):
             state[index_of[id(master)]] = entry
         self.inner.load_state_dict({"state": state, "param_groups": current["param_groups"]})
 
-    @staticmethod
-    def _load_segment_state(optimizer, fg: FlatParamGroup, s: int, shards: dict,
+    def _load_segment_state(self, optimizer, fg: FlatParamGroup, s: int, shards: dict,
                             scalars: dict, wants_int_step: bool) -> None:
-        """Segment s's state from checkpoint shards, written into the tensors the optimizer
-        already holds (swapped ones keep their identity) or set as new ones (adopted by the
-        swap when its tile is written back)."""
-        seg, master = fg.layout.segments[s], fg.master_segments[s]
+        """Segment s's state from checkpoint shards (NVMe offload, its tile resident)."""
+        seg = fg.layout.segments[s]
+        targets = self.segment_state_targets(fg, s, list(shards), scalars)
+        for key, shard in shards.items():
+            targets[key].copy_(seg.of_shard(shard).view_as(targets[key]))
+
+    def segment_state_targets(self, fg: FlatParamGroup, s: int, keys, scalars: dict) -> dict:
+        """NVMe offload, segment s's tile resident: set its scalar state and return, for each
+        per-element state key, the (zeroed) tensor to fill - the one the optimizer holds
+        (swapped tensors keep their identity) or a new one, adopted by the swap when the tile
+        is written back."""
+        optimizer = self.parts[self._part_of[self.flat_groups.index(fg)]].optimizer
+        master = fg.master_segments[s]
         state = optimizer.state[master]
         for key, value in scalars.items():
             if key == "step":
-                value = int(value) if wants_int_step else torch.tensor(float(value))
+                value = int(value) if isinstance(optimizer, CPUAdam) \
+                    else torch.tensor(float(value))
             state[key] = value
-        for key, shard in shards.items():
-            values = seg.of_shard(shard)
+        targets = {}
+        for key in keys:
             held = state.get(key)
-            if torch.is_tensor(held) and held.numel() == values.numel():
-                held.copy_(values.view_as(held))
-            else:
-                state[key] = values.clone().to(master.device)
+            if not (torch.is_tensor(held) and held.numel() == master.numel()):
+                dtype = self.swap.kinds.get(key, torch.float32) if self.swap else torch.float32
+                held = state[key] = torch.zeros(master.numel(), dtype=dtype,
+                                                device=master.device)
+            targets[key] = held.zero_()
+        return targets
+
+    def shard_state_kinds(self, fg: FlatParamGroup) -> tuple[dict, dict]:
+        """NVMe offload: what ``shard_state`` would return, without bringing anything in:
+        (per-element state key -> dtype, scalar state). The values are streamed by
+        ``stream_shard_state``."""
+        fi = self.flat_groups.index(fg)
+        self._refuse_tensorwise(fg, "saving")
+        states = self.parts[self._part_of[fi]].optimizer.state
+        kinds, scalars = {}, {}
+        for s, master in enumerate(fg.master_segments):
+            swapped = self.swap.keys_of.get((fi, s), ())
+            for key in swapped:
+                kinds[key] = self.swap.kinds[key]
+            for key, value in states.get(master, {}).items():
+                if key not in swapped and key not in scalars and \
+                        (not torch.is_tensor(value) or value.dim() == 0):
+                    scalars[key] = value.item() if torch.is_tensor(value) else value
+        return kinds, scalars
+
+    def stream_shard_state(self, fg: FlatParamGroup, kinds, write) -> None:
+        """NVMe offload: ``write(key, segment, values)`` for the master ("master") and each
+        per-element state key of every segment of ``fg``, a tile at a time."""
+        states = self.parts[self._part_of[self.flat_groups.index(fg)]].optimizer.state
+        for s in fg.resident_masters():
+            seg, master = fg.layout.segments[s], fg.master_segments[s]
+            write("master", seg, master)
+            state = states.get(master, {})
+            for key in kinds:
+                if torch.is_tensor(state.get(key)) and state[key].numel() == master.numel():
+                    write(key, seg, state[key])
 
     def _refuse_tensorwise(self, fg: FlatParamGroup, doing: str) -> None:
         fi = next(i for i, g in enumerate(self.flat_groups) if g is fg)
