@@ -12,7 +12,8 @@ files under --nvme-path, streamed a sub-group tile at a time). Memory is capped 
 The model states per rank (fp32 master + moments on the drive, bf16 parameter shard in memory)
 are reported next to the cap; the target is >= 1.5x. Each step's time is split into compute
 (forward + backward, with their communication), disk (time the step waited for the drive),
-CPU Adam and the rest of the step. Then, unless --no-compare, the same model with
+CPU Adam and the rest of the step. The job then saves a checkpoint, still under the cap (unless
+--no-checkpoint). Then, unless --no-compare, the same model with
 offload_optimizer.device 'cpu' (states in host memory) runs two steps without a cap, and its
 peak RSS is what the job would need without NVMe.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -112,10 +114,15 @@ def rank_main(args) -> None:
             print(f"  step {step}: loss {r['loss']:.3f}  compute {r['compute_s']:.2f} s  step "
                   f"{r['step_s']:.2f} s (disk wait {r['disk_wait_s']:.2f}, Adam "
                   f"{r['adam_s']:.2f}, other {r['other_s']:.2f})", flush=True)
+    save_s = None
+    if args.checkpoint:  # under the same cap: written a tile at a time
+        t = time.perf_counter()
+        engine.save_checkpoint(args.checkpoint)
+        save_s = time.perf_counter() - t
     report = engine.memory_report()
     params_shard = sum(fg.nbytes() + fg.nbytes(host=True) for fg in engine.flat_groups)
     out = {"rank": rank, "params": num_params(model) if rank == 0 else None,
-           "init_s": init_s, "rows": rows, "memory_report": report,
+           "init_s": init_s, "rows": rows, "memory_report": report, "save_s": save_s,
            "param_shard_bytes": params_shard,
            "optimizer_state_bytes": (swap.file_bytes() if swap else
                                      report["host_optimizer_states"]),
@@ -169,6 +176,8 @@ def launch(args, device: str, cgroup: str | None) -> list[dict]:
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
         cmd = [sys.executable, os.path.abspath(__file__), "--rank-of-job", "--device", device,
                "--out", out] + _forward(args)
+        if device == "nvme" and not args.no_checkpoint:
+            cmd += ["--checkpoint", os.path.join(args.nvme_path, "demo_checkpoint")]
 
         def enter(cg=cgroup):
             if cg:  # before exec: the rank's every byte is charged to the cgroup
@@ -198,7 +207,6 @@ def fio_mixed(directory: str, ranks: int) -> dict | None:
     """What the drive gives to the demo's traffic pattern: ``ranks`` jobs each reading and
     writing (50/50) 1 MB blocks with O_DIRECT through io_uring, measured by fio on the same
     directory (None where fio is not installed)."""
-    import shutil
     if shutil.which("fio") is None:
         return None
     work = os.path.join(directory, "fio_mixed")
@@ -244,7 +252,7 @@ def summarize(args, nvme: list[dict], cpu: list[dict] | None, enforced: str,
         "loss_went_down": losses[-1] < losses[0],
         "median_step": {k: median(k) for k in ("compute_s", "step_s", "disk_wait_s", "adam_s",
                                                "other_s", "read_gb", "write_gb")},
-        "init_s": r0["init_s"], "nvme_rows": rows,
+        "init_s": r0["init_s"], "nvme_rows": rows, "checkpoint_save_s": r0["save_s"],
     }
     m = summary["median_step"]
     moved = sum(sorted(r["read_gb"] + r["write_gb"] for r in rank["rows"][1:] or rank["rows"])[
@@ -288,6 +296,9 @@ def print_summary(s: dict) -> None:
                  f"directory: {f['read_gbps']:.2f} + {f['write_gbps']:.2f} GB/s -> "
                  f"{s['vs_fio_mixed']:.2f}x fio")
     print(line)
+    if s.get("checkpoint_save_s") is not None:
+        print(f"checkpoint saved under the cap in {s['checkpoint_save_s']:.1f} s "
+              "(a tile at a time)")
     if "without_nvme_peak_rss_per_rank_gb" in s:
         peaks = s["without_nvme_peak_rss_per_rank_gb"]
         w = s["without_nvme_step"]
@@ -310,10 +321,13 @@ def main() -> None:
     ap.add_argument("--no-compare", action="store_true",
                     help="skip the run without NVMe (states in host memory)")
     ap.add_argument("--no-fio", action="store_true", help="skip fio's reference measurement")
+    ap.add_argument("--no-checkpoint", action="store_true",
+                    help="skip saving a checkpoint at the end (under the cap)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--rank-of-job", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--device", default="nvme", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--checkpoint", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rank_of_job:
         rank_main(args)
@@ -329,6 +343,7 @@ def main() -> None:
         finally:
             if cgroup:
                 os.rmdir(cgroup)
+        shutil.rmtree(os.path.join(args.nvme_path, "demo_checkpoint"), ignore_errors=True)
         cpu = None
         if not args.no_compare:
             print("the same model without NVMe (optimizer states in host memory), no cap:",

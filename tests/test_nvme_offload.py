@@ -276,3 +276,63 @@ def test_nvme_checkpoints_stream_a_tile_at_a_time(tmp_path):
     assert err == 0.0, f"{err:.2e} at {where}"
     err, where = max_relative_error(after, reference([2] * 4))
     assert err <= 1e-6, f"{err:.2e} at {where}"
+
+
+def edit_between_steps(path, stage, device):
+    """Train, change a weight in place through gathered_parameters (a write-back into the
+    master, which NVMe keeps on the drive), train on."""
+    engine, _ = train_engine(nvme_config(stage, "fp32", device, path), "adamw", 1, 2)
+    weight = next(p for p in engine.module.parameters() if p.dim() == 2)
+    with zeroengine.gathered_parameters(weight, modifier_rank=0):
+        if engine.comm.rank == 0:
+            weight.data.mul_(0.5)
+    for step in range(1, 3):
+        run_step(engine, step, 2)
+    state = engine.consolidated_state_dict()
+    engine.close()
+    return state
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_write_back_reaches_the_swapped_master(tmp_path, stage):
+    cpu = run_ranks(2, edit_between_steps, str(tmp_path), stage, "cpu")[0]
+    nvme = run_ranks(2, edit_between_steps, str(tmp_path), stage, "nvme")[0]
+    err, where = max_relative_error(nvme, cpu)
+    assert err == 0.0, f"{err:.2e} at {where}"
+
+
+def start_and_die(path):
+    engine, _ = train_engine(nvme_config(1, "fp32", "nvme", path), "adamw", 1, 2)
+    with open(os.path.join(path, "swap_dir"), "w") as f:
+        f.write(engine.optimizer.swap.dir.path)
+    os.kill(os.getpid(), 9)  # no atexit, no close: the swap directory stays behind
+
+
+def start_again(path):
+    engine, _ = train_engine(nvme_config(1, "fp32", "nvme", path), "adamw", 1, 2)
+    removed = engine.optimizer.swap.dir.removed_stale
+    engine.close()
+    return removed
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_killed_run_leaves_nothing_the_next_start_keeps(tmp_path):
+    """A run killed with SIGKILL cannot remove its swap files; the next start on the same
+    nvme_path does (its owner is gone), and never reads them: swap files are scratch."""
+    proc = subprocess.run([sys.executable, "-c", (
+        "import sys; sys.path.insert(0, 'tests'); import test_nvme_offload as t; "
+        f"from zeroengine.testing import run_ranks; t.start_and_die({str(tmp_path)!r})")],
+        cwd=ROOT, capture_output=True, text=True, env=dict(
+            os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(free_port())), timeout=300)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    left = open(tmp_path / "swap_dir").read()
+    assert os.path.isdir(left) and os.listdir(left)
+    removed = run_ranks(1, start_again, str(tmp_path))[0]
+    assert removed == [os.path.basename(left)] and not os.path.exists(left)
