@@ -140,21 +140,18 @@ def make_cgroup(limit_bytes: int) -> tuple[str | None, str]:
     """A memory cgroup limited to ``limit_bytes`` (v1 or v2) if this process may make one:
     (path of its procs file, how the cap is enforced)."""
     name = f"zeroengine_nvme_demo_{os.getpid()}"
-    v1 = "/sys/fs/cgroup/memory"
-    v2 = "/sys/fs/cgroup"
+    # (hierarchy root, the file that marks it, the limit file, how to say it)
+    kinds = [("/sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.limit_in_bytes",
+              "cgroup v1"),
+             ("/sys/fs/cgroup", "cgroup.controllers", "memory.max", "cgroup v2")]
     try:
-        if os.path.exists(os.path.join(v1, "memory.limit_in_bytes")):
-            path = os.path.join(v1, name)
-            os.makedirs(path, exist_ok=True)
-            with open(os.path.join(path, "memory.limit_in_bytes"), "w") as f:
-                f.write(str(limit_bytes))
-            return path, f"cgroup v1 memory.limit_in_bytes={limit_bytes / GB:.2f} GB for the job"
-        if os.path.exists(os.path.join(v2, "cgroup.controllers")):
-            path = os.path.join(v2, name)
-            os.makedirs(path, exist_ok=True)
-            with open(os.path.join(path, "memory.max"), "w") as f:
-                f.write(str(limit_bytes))
-            return path, f"cgroup v2 memory.max={limit_bytes / GB:.2f} GB for the job"
+        for root, marker, limit_file, label in kinds:
+            if os.path.exists(os.path.join(root, marker)):
+                path = os.path.join(root, name)
+                os.makedirs(path, exist_ok=True)
+                with open(os.path.join(path, limit_file), "w") as f:
+                    f.write(str(limit_bytes))
+                return path, f"{label} {limit_file}={limit_bytes / GB:.2f} GB for the job"
     except OSError as e:
         return None, f"no cgroup ({e.strerror}): the per-rank peak RSS check only"
     return None, "no memory cgroup here: the per-rank peak RSS check only"
@@ -179,10 +176,13 @@ def launch(args, device: str, cgroup: str | None) -> list[dict]:
         if device == "nvme" and not args.no_checkpoint:
             cmd += ["--checkpoint", os.path.join(args.nvme_path, "demo_checkpoint")]
 
-        def enter(cg=cgroup):
+        def enter(cg=cgroup, failed=os.path.join(args.workdir, "cgroup_refused")):
             if cg:  # before exec: the rank's every byte is charged to the cgroup
-                with open(os.path.join(cg, "cgroup.procs"), "w") as f:
-                    f.write(str(os.getpid()))
+                try:
+                    with open(os.path.join(cg, "cgroup.procs"), "w") as f:
+                        f.write(str(os.getpid()))
+                except OSError:  # the RSS check still holds; the summary says so
+                    open(failed, "w").close()
         procs.append(subprocess.Popen(cmd, env=env, preexec_fn=enter))
     codes = [p.wait() for p in procs]
     if any(codes):
@@ -343,6 +343,8 @@ def main() -> None:
         finally:
             if cgroup:
                 os.rmdir(cgroup)
+        if os.path.exists(os.path.join(workdir, "cgroup_refused")):
+            enforced = "the cgroup refused the ranks: the per-rank peak RSS check only"
         shutil.rmtree(os.path.join(args.nvme_path, "demo_checkpoint"), ignore_errors=True)
         cpu = None
         if not args.no_compare:

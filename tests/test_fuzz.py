@@ -3,9 +3,11 @@
 random byte corruptions of a checkpoint's files are always refused by name."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
+import tempfile
 import typing
 
 import pytest
@@ -34,6 +36,8 @@ def _value_in_schema(f: dataclasses.Field, t: type):
         lo = meta.get("lo") if meta.get("lo") is not None else 0.0
         return st.floats(lo, meta["hi"] if meta.get("hi") is not None else lo + 1000.0,
                          allow_nan=False)
+    if f.name.endswith("_path"):  # a directory: missing, the working one, or not a path
+        return st.sampled_from(["", ".", "no_such_dir", "a\x00b"])
     if t is str:
         return st.text(max_size=8)
     return st.none()
@@ -84,6 +88,13 @@ def tiny_model() -> nn.Module:
 
 
 def initialize_or_config_error(config: dict) -> str:
+    """Inside a fresh working directory: whatever the config makes (logs, swap files) stays
+    out of the checkout."""
+    with tempfile.TemporaryDirectory() as cwd, contextlib.chdir(cwd):
+        return _initialize_or_config_error(config)
+
+
+def _initialize_or_config_error(config: dict) -> str:
     import zeroengine
     model = tiny_model()
     try:

@@ -336,3 +336,12 @@ def test_a_killed_run_leaves_nothing_the_next_start_keeps(tmp_path):
     assert os.path.isdir(left) and os.listdir(left)
     removed = run_ranks(1, start_again, str(tmp_path))[0]
     assert removed == [os.path.basename(left)] and not os.path.exists(left)
+
+
+def test_a_missing_nvme_path_is_refused_by_name(tmp_path):
+    model = make_model()
+    opt = make_optimizer("adamw", param_groups(model))
+    missing = str(tmp_path / "not_made")
+    with pytest.raises(ConfigError, match="nvme_path.*not_made.*is not a directory"):
+        zeroengine.initialize(model, nvme_config(2, "fp32", "nvme", missing), optimizer=opt)
+    assert not os.path.exists(missing)

@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 
 import torch
 import torch.nn as nn
 
-from ..config import AUTO, Config
+from ..config import AUTO, Config, ConfigError
 from ..dist.comm import Comm
 from ..dist.topology import Topology
 from ..monitor import Monitor
@@ -172,6 +173,11 @@ class ZeroEngine:
         from .optimizer_swap import OptimizerSwap
         from .swap_files import SwapDir
         off, aio = config.zero_optimization.offload_optimizer, config.aio
+        if not os.path.isdir(off.nvme_path):  # a typo must not swap to another drive
+            raise ConfigError(f"zero_optimization.offload_optimizer.nvme_path "
+                              f"{off.nvme_path!r} is not a directory on rank {self.comm.rank}; "
+                              "create it on the drive to swap to (every rank needs its own "
+                              "or a shared one)")
         return OptimizerSwap(SwapDir(off.nvme_path, self.comm.rank),
                              AsyncFileIO(aio.block_size, aio.queue_depth, aio.thread_count),
                              pipeline_read=off.pipeline_read, pipeline_write=off.pipeline_write,
