@@ -169,6 +169,7 @@ def ckpt_engine(stage, device, path, seed=0):
     model = make_model(seed)
     opt = make_optimizer("adamw", param_groups(model))
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.9)
+    os.makedirs(path, exist_ok=True)
     cfg = nvme_config(stage, "fp32", device, path)
     cfg.pop("gradient_accumulation_steps")
     cfg.pop("gradient_clipping")

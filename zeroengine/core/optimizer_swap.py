@@ -199,7 +199,8 @@ class OptimizerSwap:
             return
         t0 = time.perf_counter()
         for handle in handles:
-            handle.wait()
+            # host_wait: a device copy reading a slot must be done before the CPU refills it
+            handle.host_wait()
         self.stats.wait_s += time.perf_counter() - t0
 
     def _slot(self, k: int) -> _Slot:
