@@ -28,7 +28,7 @@ class _Backend(Protocol):
 
 
 def _run_dir(output_path: str, job_name: str) -> str:
-    path = os.path.join(output_path, job_name)
+    path = os.path.join(output_path, job_name) or "."  # both empty: the working directory
     os.makedirs(path, exist_ok=True)
     return path
 
