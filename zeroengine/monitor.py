@@ -29,7 +29,12 @@ class _Backend(Protocol):
 
 def _run_dir(output_path: str, job_name: str) -> str:
     path = os.path.join(output_path, job_name) or "."  # both empty: the working directory
-    os.makedirs(path, exist_ok=True)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except (OSError, ValueError) as err:
+        from .config import ConfigError
+        raise ConfigError(f"monitor output_path {output_path!r} / job_name {job_name!r}: "
+                          f"cannot make the directory {path!r} ({err})") from None
     return path
 
 
