@@ -142,7 +142,7 @@ class OptimizerSwap:
     # -- files and buffers ----------------------------------------------------------------
     def _register(self, kind: str, dtype: torch.dtype) -> None:
         """A new kind of per-element state: its file, the size of the master's."""
-        itemsize = torch.empty(0, dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         if itemsize > 4:
             raise ValueError(f"offload_optimizer nvme: optimizer state {kind!r} is {dtype}; "
                              "swapped state must be 4 bytes per element or fewer")
@@ -159,13 +159,13 @@ class OptimizerSwap:
 
     def _tile_bytes(self, k: int, kind: str) -> tuple[int, int]:
         start, end = self.extent[k]
-        itemsize = torch.empty(0, dtype=self.kinds[kind]).element_size()
+        itemsize = self.kinds[kind].itemsize
         return start * itemsize, (end - start) * itemsize
 
     def _view(self, slot: _Slot, k: int, pair: tuple[int, int], kind: str) -> torch.Tensor:
         """Where ``pair``'s values of ``kind`` lie in the slot holding tile k."""
         dtype = self.kinds[kind]
-        itemsize = torch.empty(0, dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         at = (self.offset[pair] - self.extent[k][0]) * itemsize
         numel = self._numels[pair[0]][pair[1]]
         return self._buffer(slot, kind)[at:at + numel * itemsize].view(dtype)
@@ -253,15 +253,25 @@ class OptimizerSwap:
                 keys.add(kind)
             self.keys_of[pair] = tuple(kind for kind in self.kinds if kind in keys)
 
-    # -- the step ---------------------------------------------------------------------------
-    def acquire(self, k: int) -> None:
-        """Tile k's master and state, in host memory and pointed at, for the step."""
+    def _bring_in(self, k: int) -> _Slot:
+        """Tile k resident (read now unless already on its way) and pointed at."""
         slot = self._slot(k)
         if slot.tile != k:  # not read ahead (pipeline_read) by the previous acquire
             self._read(slot, k)
         self._wait(slot.reads)
         slot.reads = []
         self._point(k, slot)
+        return slot
+
+    def _write_back(self, k: int, slot: _Slot) -> None:
+        """Start writing tile k (state the optimizer created adopted first)."""
+        self._adopt(k, slot)
+        self._write(slot, k, self._kinds_in(k))
+
+    # -- the step ---------------------------------------------------------------------------
+    def acquire(self, k: int) -> None:
+        """Tile k's master and state, in host memory and pointed at, for the step."""
+        self._bring_in(k)
         if self.pipeline_read and k + 1 < len(self.tiles):
             self._read(self._slot(k + 1), k + 1)
 
@@ -271,8 +281,7 @@ class OptimizerSwap:
         slot is refilled."""
         slot = self._slot(k)
         if changed:
-            self._adopt(k, slot)
-            self._write(slot, k, self._kinds_in(k))
+            self._write_back(k, slot)
         slot.uses = list(uses)
         self._unpoint(k)
         if not self.pipeline_write:
@@ -299,16 +308,11 @@ class OptimizerSwap:
             by_tile.setdefault(self.tile_of[(fi, s)], []).append(s)
         self.finish()
         for k in sorted(by_tile):
-            slot = self._slot(k)
-            self._read(slot, k)
-            self._wait(slot.reads)
-            slot.reads = []
-            self._point(k, slot)
+            slot = self._bring_in(k)
             try:
                 yield by_tile[k]
                 if write_back:
-                    self._adopt(k, slot)
-                    self._write(slot, k, self._kinds_in(k))
+                    self._write_back(k, slot)
             finally:
                 self._unpoint(k)
                 self._wait(slot.writes)
@@ -316,8 +320,7 @@ class OptimizerSwap:
 
     def file_bytes(self) -> int:
         """Bytes this rank keeps on the drive."""
-        return sum(self.total * torch.empty(0, dtype=d).element_size()
-                   for d in self.kinds.values())
+        return sum(self.total * d.itemsize for d in self.kinds.values())
 
     def host_bytes(self) -> int:
         return sum(b.numel() for slot in self.slots for b in slot.buffers.values())
