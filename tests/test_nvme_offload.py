@@ -31,6 +31,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def nvme_config(stage, precision, device, path, pipeline=False, sub_group=100):
+    """``device``: offload_optimizer's; "<device>+params" puts stage 3's parameter shard on
+    the drive too (offload_param "nvme", with a cache smaller than the shard)."""
+    device, _, params = device.partition("+")
     cfg = {"gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
            "zero_optimization": {
                "stage": stage, "reduce_bucket_size": 40,
@@ -38,6 +41,9 @@ def nvme_config(stage, precision, device, path, pipeline=False, sub_group=100):
                "stage3_param_persistence_threshold": 20,
                "offload_optimizer": {"device": device, "nvme_path": path,
                                      "pipeline_read": pipeline, "pipeline_write": pipeline}}}
+    if params:
+        cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": path,
+                                                     "max_in_cpu": 100}
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     if precision == "fp16":
@@ -146,9 +152,6 @@ def test_config_names_what_nvme_needs():
     with pytest.raises(ConfigError, match="offload_optimizer.nvme_path"):
         zeroengine.parse_config({"zero_optimization": {
             "stage": 2, "offload_optimizer": {"device": "nvme"}}})
-    with pytest.raises(ConfigError, match="offload_param.device 'nvme' is not implemented"):
-        zeroengine.parse_config({"zero_optimization": {
-            "stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}}})
     with pytest.raises(ConfigError, match="aio.block_size"):
         zeroengine.parse_config({"aio": {"block_size": 5000}})
     cfg = zeroengine.parse_config({
@@ -198,7 +201,9 @@ def resume(root, stage, device, steps):
 
 # (saved world, stage, device) -> (loaded world, stage, device)
 RESHARDS = [((2, 2, "nvme"), (1, 1, "cpu")), ((2, 1, "cpu"), (2, 3, "nvme")),
-            ((2, 3, "nvme"), (2, 2, "nvme"))]
+            ((2, 3, "nvme"), (2, 2, "nvme")),
+            # parameters on the drive too, on either side
+            ((2, 3, "nvme+params"), (1, 2, "cpu")), ((1, 2, "cpu"), (2, 3, "cpu+params"))]
 
 
 @pytest.mark.parametrize("pair", RESHARDS, ids=lambda p: "w{}s{}{}-to-w{}s{}{}".format(
@@ -294,10 +299,10 @@ def edit_between_steps(path, stage, device):
     return state
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_a_write_back_reaches_the_swapped_master(tmp_path, stage):
+@pytest.mark.parametrize("stage,device", [(2, "nvme"), (3, "nvme"), (3, "cpu+params")])
+def test_a_write_back_reaches_the_swapped_master(tmp_path, stage, device):
     cpu = run_ranks(2, edit_between_steps, str(tmp_path), stage, "cpu")[0]
-    nvme = run_ranks(2, edit_between_steps, str(tmp_path), stage, "nvme")[0]
+    nvme = run_ranks(2, edit_between_steps, str(tmp_path), stage, device)[0]
     err, where = max_relative_error(nvme, cpu)
     assert err == 0.0, f"{err:.2e} at {where}"
 

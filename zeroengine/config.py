@@ -82,21 +82,23 @@ class OffloadConfig:
 class OffloadParamConfig:
     """offload_param (stage 3): where the rank's parameter shard lives."""
     device: str = option("none", "Where to keep the parameter shard: 'none' (on the training "
-                         "device) or 'cpu' (host memory; copied to the device when "
-                         "gathered). DeepSpeed's 'nvme' is refused by name (not implemented "
-                         "for parameters yet).", choices=("none", "cpu", "nvme"))
-    nvme_path: Optional[str] = option(None, "DeepSpeed: directory for device 'nvme'.",
-                                      no_effect="offload_param.device 'nvme' is not "
-                                      "implemented; 'cpu' is")
+                         "device), 'cpu' (host memory; copied to the device when gathered) "
+                         "or 'nvme' (files under nvme_path, read through a host cache of "
+                         "max_in_cpu elements; needs offload_optimizer 'cpu' or 'nvme').",
+                         choices=("none", "cpu", "nvme"))
+    nvme_path: Optional[str] = option(None, "device 'nvme': a directory on the fast drive; "
+                                      "each rank swaps under <nvme_path>/zeroengine_swap/ "
+                                      "(removed at exit, as offload_optimizer's).")
     pin_memory: bool = option(False, "Use page-locked host buffers (faster device<->host "
                               "copies on CUDA; no effect on CPU-only machines).")
-    buffer_count: int = option(5, "DeepSpeed: parameter swap buffers.", lo=1,
-                               no_effect="used with offload_param.device 'nvme' only")
-    buffer_size: int = option(100_000_000, "DeepSpeed: elements per parameter swap buffer.",
-                              lo=1, no_effect="used with offload_param.device 'nvme' only")
-    max_in_cpu: int = option(1_000_000_000, "DeepSpeed: parameter elements kept in host "
-                             "memory with device 'nvme'.", lo=0,
-                             no_effect="used with offload_param.device 'nvme' only")
+    buffer_count: int = option(5, "device 'nvme': with buffer_size, how far the parameter "
+                               "reads run ahead of the forward/backward order "
+                               "(buffer_count x buffer_size elements in flight).", lo=1)
+    buffer_size: int = option(100_000_000, "device 'nvme': elements per read-ahead buffer "
+                              "(see buffer_count).", lo=1)
+    max_in_cpu: int = option(1_000_000_000, "device 'nvme': most parameter-shard elements "
+                             "kept in host memory (a cache, least recently used out; "
+                             "changed chunks are written when they leave it).", lo=0)
 
 
 @dataclass
@@ -630,9 +632,14 @@ def parse_config(source: "str | os.PathLike | dict | Config") -> Config:
                "stage 3 shards (and so offloads) parameters; DeepSpeed ignores it too")
         zero.offload_param = OffloadParamConfig()
     if zero.offload_param.device == "nvme":
-        raise ConfigError("zero_optimization.offload_param.device 'nvme' is not implemented: "
-                          "parameter shards offload to 'cpu' (host memory); the optimizer "
-                          "states can go to the drive with offload_optimizer.device 'nvme'")
+        if zero.offload_optimizer.device == "none":
+            # the step then runs on the device, writing chunks that live in host files
+            raise ConfigError("zero_optimization.offload_param.device 'nvme' needs "
+                              "offload_optimizer.device 'cpu' or 'nvme': zeroengine updates "
+                              "a parameter shard on the drive from the host-side optimizer step")
+        if not zero.offload_param.nvme_path:
+            raise ConfigError("zero_optimization.offload_param.device 'nvme' needs "
+                              "offload_param.nvme_path: a directory on the drive to swap to")
     if zero.offload_optimizer.device == "nvme" and not zero.offload_optimizer.nvme_path:
         raise ConfigError("zero_optimization.offload_optimizer.device 'nvme' needs "
                           "offload_optimizer.nvme_path: a directory on the drive to swap to")

@@ -79,7 +79,7 @@ class ZeroEngine:
         self.precision = Precision.from_config(config)
         # "nvme": offloaded as to "cpu", then the host master and state go to the drive
         self.offload_optimizer = zero.offload_optimizer.device in ("cpu", "nvme")
-        self.offload_param = zero.offload_param.device == "cpu"
+        self.offload_param = zero.offload_param.device in ("cpu", "nvme")
         # page-locked host memory only helps (and only exists) with a CUDA device
         self._pin = device.type == "cuda" and (zero.offload_optimizer.pin_memory
                                                or zero.offload_param.pin_memory)
@@ -87,10 +87,14 @@ class ZeroEngine:
         self._broadcast_module_state()  # every rank starts from rank 0's values, as in DDP
         order = {id(p): i for i, p in enumerate(module.parameters())}
         # NVMe offload: the swap exists first, so the masters go to the drive as laid out
+        self._aio = None
         swap = self._nvme_swap(config) if zero.offload_optimizer.device == "nvme" else None
+        self.param_swap = self._param_swap(config) if zero.offload_param.device == "nvme" \
+            else None
         self.flat_groups = lay_out_parameters(module, optimizer, order, self.sharding, comm,
                                               zero, self.precision, device, self._pin,
-                                              shard=shard, master_sink=swap)
+                                              shard=shard, master_sink=swap,
+                                              param_sink=self.param_swap)
         if self.precision.mixed:
             self._cast_rest_of_module(self.precision.compute)
         partitioned = [fg for fg in self.flat_groups if fg.partitioned]
@@ -167,21 +171,39 @@ class ZeroEngine:
         itemsize = max((p.element_size() for p in self._managed_params()), default=4)
         return compiled.BucketSplit(max(1, zero.reduce_bucket_size) * itemsize)
 
-    def _nvme_swap(self, config: Config):
-        """NVMe offload: the swap files under nvme_path and the I/O engine that moves them."""
-        from ..ops.aio import AsyncFileIO
-        from .optimizer_swap import OptimizerSwap
+    def _swap_dir(self, section: str, nvme_path: str):
+        """This rank's swap directory under ``nvme_path`` (offload_<section>.nvme_path)."""
         from .swap_files import SwapDir
-        off, aio = config.zero_optimization.offload_optimizer, config.aio
-        if not os.path.isdir(off.nvme_path):  # a typo must not swap to another drive
-            raise ConfigError(f"zero_optimization.offload_optimizer.nvme_path "
-                              f"{off.nvme_path!r} is not a directory on rank {self.comm.rank}; "
-                              "create it on the drive to swap to (every rank needs its own "
-                              "or a shared one)")
-        return OptimizerSwap(SwapDir(off.nvme_path, self.comm.rank),
-                             AsyncFileIO(aio.block_size, aio.queue_depth, aio.thread_count),
-                             pipeline_read=off.pipeline_read, pipeline_write=off.pipeline_write,
-                             pin=self._pin)
+        if not os.path.isdir(nvme_path):  # a typo must not swap to another drive
+            raise ConfigError(f"zero_optimization.{section}.nvme_path {nvme_path!r} is not a "
+                              f"directory on rank {self.comm.rank}; create it on the drive to "
+                              "swap to (every rank needs its own or a shared one)")
+        return SwapDir(nvme_path, self.comm.rank)
+
+    def _file_io(self, config: Config):
+        """The rank's one asynchronous I/O engine, shared by the optimizer and parameter swaps."""
+        from ..ops.aio import AsyncFileIO
+        if self._aio is None:
+            aio = config.aio
+            self._aio = AsyncFileIO(aio.block_size, aio.queue_depth, aio.thread_count)
+        return self._aio
+
+    def _nvme_swap(self, config: Config):
+        """NVMe offload of the optimizer: master and state in swap files under nvme_path."""
+        from .optimizer_swap import OptimizerSwap
+        off = config.zero_optimization.offload_optimizer
+        return OptimizerSwap(self._swap_dir("offload_optimizer", off.nvme_path),
+                             self._file_io(config), pipeline_read=off.pipeline_read,
+                             pipeline_write=off.pipeline_write, pin=self._pin)
+
+    def _param_swap(self, config: Config):
+        """NVMe offload of stage-3 parameters: the shard in swap files, a cache of max_in_cpu
+        elements in memory, buffer_count x buffer_size elements read ahead."""
+        from .param_swap import ParamSwap
+        off = config.zero_optimization.offload_param
+        return ParamSwap(self._swap_dir("offload_param", off.nvme_path),
+                         self._file_io(config), max_in_cpu=off.max_in_cpu,
+                         read_ahead_numel=off.buffer_count * off.buffer_size)
 
     def close(self) -> None:
         """Remove every hook the engine put on the model and its parameters; close the
@@ -189,6 +211,8 @@ class ZeroEngine:
         self.monitor.close()
         if self.optimizer.swap is not None:
             self.optimizer.swap.close()
+        if self.param_swap is not None:
+            self.param_swap.close()
         compiled.uninstall(self.module)
         unregister_parameters(self._managed_params())
         self.guard.remove()
@@ -363,8 +387,9 @@ class ZeroEngine:
         """Bytes this rank holds now for model states, by category: ``params``, ``grads`` and
         ``optimizer_states`` on the training device, ``host_*`` the same offloaded to host
         memory (on a CPU-only machine both are RAM; the split says where the engine put them),
-        ``total`` all of them; with NVMe offload ``nvme_optimizer_states``, the bytes of the
-        master and state kept on the drive (not in the total)."""
+        ``total`` all of them; with NVMe offload ``nvme_optimizer_states`` and
+        ``nvme_params``, the bytes of the master and state, and of the parameter shard, kept on
+        the drive (not in the total)."""
         managed = {id(p) for p in self._managed_params()}
         params = sum(fg.nbytes() for fg in self.flat_groups)
         if self.fetcher is not None:
@@ -381,13 +406,18 @@ class ZeroEngine:
         swap = self.optimizer.swap
         if swap is not None:
             host_states += swap.host_bytes()  # the tiles' slots
+        host_params = sum(fg.nbytes(host=True) for fg in self.flat_groups)
+        if self.param_swap is not None:
+            host_params += self.param_swap.host_bytes()  # its cache and reads in flight
         report = {"params": params, "grads": grads, "optimizer_states": states,
-                  "host_params": sum(fg.nbytes(host=True) for fg in self.flat_groups),
+                  "host_params": host_params,
                   "host_grads": self.offload.nbytes() if self.offload is not None else 0,
                   "host_optimizer_states": host_states}
         report["total"] = sum(report.values())
         if swap is not None:  # on the drive, not in memory: outside the total
             report["nvme_optimizer_states"] = swap.file_bytes()
+        if self.param_swap is not None:
+            report["nvme_params"] = self.param_swap.file_bytes()
         return report
 
     def comm_report(self, reset: bool = True) -> dict[str, dict[str, int]]:

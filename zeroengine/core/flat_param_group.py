@@ -17,7 +17,9 @@ same code path as a GPU one), ``offload_shard`` puts stage 3's partitioned shard
 makes those host tensors page-locked. NVMe offload (optimizer_swap.py) then takes the master
 to the drive: ``swap`` is set, the master chunks are empty except while their tile is in host
 memory, and every method here that reads or writes them brings them in a tile at a time
-(``resident_masters``).
+(``resident_masters``). With ``offload_param.device: "nvme"`` (param_swap.py) the partitioned
+shard is on the drive too: ``chunk`` reads a segment's chunk through the swap's cache, and
+whatever changes one goes through ``set_chunk`` (or ``chunk_for_overwrite`` + ``chunk_written``).
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ class FlatParamGroup:
                  compute_dtype: torch.dtype | None = None, partitioned: bool = False,
                  units: list[int] | None = None, value_of=None,
                  offload_master: bool = False, offload_shard: bool = False, pin: bool = False,
-                 master_sink=None):
+                 master_sink=None, param_sink=None):
         """``shard_world``: the number of owners (the world size, or 1 at stage 0).
         ``compute_dtype``: the dtype the model computes in (default: the params' own).
         ``units``: stage 3's fetch unit per parameter; segments follow unit boundaries.
@@ -41,7 +43,8 @@ class FlatParamGroup:
         parameter in order on every rank, so it may be a collective (zero_init).
         ``offload_master`` / ``offload_shard``: keep the fp32 master / the partitioned shard in
         host memory. ``master_sink`` (an OptimizerSwap; with ``offload_master``): the master
-        goes to the drive a segment at a time instead, never whole in memory."""
+        goes to the drive a segment at a time instead, never whole in memory. ``param_sink`` (a
+        ParamSwap; partitioned, with ``offload_master``): the same for the parameter shard."""
         self.params = params
         self.group_index = group_index
         self.rank = rank if shard_world > 1 else 0
@@ -61,17 +64,28 @@ class FlatParamGroup:
         # fp32 compute on the device: the parameters (or their shard) are the master, no copy
         separate_master = self.dtype != torch.float32 or offload_master
         sink = master_sink if separate_master and offload_master else None
+        param_sink = param_sink if partitioned else None
+        if param_sink is not None and sink is None and not separate_master:
+            raise ValueError("a parameter shard on the drive needs a separate master (a bug)")
         wanted = ([(torch.float32, self.master_device)] if separate_master and not sink
-                  else []) + ([(self.dtype, self.shard_device)] if partitioned else [])
-        sink_index = None if sink is None else \
-            sink.reserve([seg.chunk_numel for seg in self.layout.segments])
+                  else []) + ([(self.dtype, self.shard_device)]
+                              if partitioned and param_sink is None else [])
+        numels = [seg.chunk_numel for seg in self.layout.segments]
+        sinks = []  # (sink, this group's index there, dtype it takes)
+        if sink is not None:
+            sinks.append((sink, sink.reserve(numels), torch.float32))
+        self.param_swap, self.param_index = param_sink, None
+        if param_sink is not None:
+            self.param_index = param_sink.reserve(numels, self.dtype)
+            sinks.append((param_sink, self.param_index, self.dtype))
         shards = self._shards_of(params, value_of or (lambda p: p.detach()), wanted, pin,
-                                 (sink, sink_index) if sink is not None else None)
+                                 sinks)
         # with a sink: an empty placeholder, still "a separate master" (not None)
         self.master = (shards[0] if sink is None else torch.empty(0)) if separate_master \
             else None
         if partitioned:
-            self.shard = shards[-1]
+            self.shard = shards[-1] if param_sink is None else \
+                torch.empty(0, dtype=self.dtype)  # on the drive: chunk() reads it
             # One full-size tensor per segment whose *storage* is emptied when released and
             # refilled when gathered; parameters stay views into it, so tensors autograd saved
             # (even views such as weight.t()) are valid again once the segment is re-gathered.
@@ -99,9 +113,9 @@ class FlatParamGroup:
         self.swap = sink  # an OptimizerSwap when the master lives on the drive
 
     def _shards_of(self, params, value_of, wanted, pin: bool,
-                   sink=None) -> list[torch.Tensor]:
+                   sinks=()) -> list[torch.Tensor]:
         """This rank's chunks of ``params``, one shard tensor per (dtype, device) in ``wanted``;
-        ``sink`` = (swap, group index): the fp32 master also, segment by segment, to the swap."""
+        ``sinks``: (swap, group index, dtype) each also takes them, segment by segment."""
         # Uninitialised, and only the padding zeroed now: the pages of the values are touched
         # as the values arrive, while zero_init's slices are freed one parameter at a time, so
         # the shards and the slices are not both whole in memory at once.
@@ -115,33 +129,34 @@ class FlatParamGroup:
                 shard[covered:piece.shard_offset].zero_()
                 covered = piece.shard_offset + piece.numel
             shard[covered:].zero_()
-        if not shards and sink is None:
+        if not shards and not sinks:
             return shards
         by_param: dict[int, list] = {}
         for piece in pieces:
             by_param.setdefault(piece.param, []).append(piece)
         segment_of = {i: s for s, seg in enumerate(self.layout.segments) for i in seg.params}
-        current, staging = -1, None  # the segment whose master is being assembled
+        current, staging = -1, []  # the segment whose chunks the sinks' staging assembles
 
         def flush():
-            if staging is not None:
-                sink[0].put_master(sink[1], current, staging)
+            for (sink, index, _), values in zip(sinks, staging):
+                sink.put(index, current, values)
         for index, p in enumerate(params):  # every parameter, in order, on every rank
             source = value_of(p).reshape(-1)
-            if sink is not None and segment_of[index] != current:
+            if sinks and segment_of[index] != current:
                 if segment_of[index] < current:  # each segment is written once, whole
                     raise RuntimeError("segments do not follow parameter order (a bug)")
                 flush()
                 current = segment_of[index]
                 seg = self.layout.segments[current]
-                staging = torch.zeros(seg.chunk_numel, dtype=torch.float32)
+                staging = [torch.zeros(seg.chunk_numel, dtype=d) for _, _, d in sinks]
             for piece in by_param.get(index, ()):
                 values = source[piece.param_offset:piece.param_offset + piece.numel]
                 for shard in shards:
                     piece.of_shard(shard).copy_(values)
-                if sink is not None:
-                    begin = piece.shard_offset - self.layout.segments[current].shard_offset
-                    staging[begin:begin + piece.numel].copy_(values)
+                begin = piece.shard_offset - self.layout.segments[current].shard_offset \
+                    if sinks else 0
+                for buf in staging:
+                    buf[begin:begin + piece.numel].copy_(values)
         flush()
         return shards
 
@@ -150,10 +165,34 @@ class FlatParamGroup:
         return self.layout.world_size > 1
 
     def chunk(self, s: int) -> torch.Tensor:
-        """This rank's chunk of segment s, in the compute dtype."""
+        """This rank's chunk of segment s, in the compute dtype (to read: change it with
+        ``set_chunk``, which also reaches a chunk on the drive)."""
         if self.partitioned:
+            if self.param_swap is not None:
+                return self.param_swap.chunk(self.param_index, s)
             return self.layout.segments[s].of_shard(self.shard)
         return self.full.chunk_view(s, self.rank)
+
+    def chunk_for_overwrite(self, s: int) -> torch.Tensor:
+        """Where segment s's new values go, to be filled whole; then ``chunk_written``."""
+        if self.param_swap is None:
+            return self.chunk(s)
+        return self.param_swap.for_overwrite(self.param_index, s)
+
+    def chunk_written(self, s: int, values: torch.Tensor) -> None:
+        """``values`` (from ``chunk_for_overwrite``) now holds segment s's chunk."""
+        if self.param_swap is not None:
+            self.param_swap.written(self.param_index, s, values)
+
+    def set_chunk(self, s: int, values: torch.Tensor) -> None:
+        target = self.chunk_for_overwrite(s)
+        target.copy_(values)
+        self.chunk_written(s, target)
+
+    def read_ahead(self, segments: list[int]) -> None:
+        """These segments' chunks will be read soon: start reading them from the drive."""
+        if self.param_swap is not None:
+            self.param_swap.read_ahead([(self.param_index, s) for s in segments])
 
     def chunk_on_device(self, s: int) -> torch.Tensor:
         """``chunk(s)`` on the compute device, copied there if the shard is offloaded."""
@@ -175,7 +214,7 @@ class FlatParamGroup:
         """Copy updated master values into the compute-dtype chunks (mixed precision)."""
         if self.master is not None:
             for s in self.resident_masters(segments):
-                self.chunk(s).copy_(self.master_segments[s])
+                self.set_chunk(s, self.master_segments[s])
 
     def refresh_master(self, segments=None) -> None:
         """The inverse: chunks changed from outside (a write-back) become the master's values."""

@@ -52,6 +52,8 @@ class OptimizerOffload:
             self.low.append(None if g.dtype == torch.float32 or on_host
                             else self._host_views(g, g.dtype, pin))
         self._grad_copies: dict[tuple[int, int], Handle] = {}  # copied for this step
+        # parameter shard on the drive: the buffers the step writes chunks into, until publish
+        self._targets: dict[tuple[int, int], torch.Tensor] = {}
         self._param_copies: list[Handle] = []
 
     def _needs_grad_copy(self, g: FlatParamGroup) -> bool:
@@ -95,13 +97,27 @@ class OptimizerOffload:
         g = self.groups[fi]
         if g.dtype == torch.float32:
             return None
-        return g.chunk(s) if self.low[fi] is None else self.low[fi][s]
+        if self.low[fi] is not None:
+            return self.low[fi][s]
+        if (fi, s) not in self._targets:  # (nothing read from the drive to be overwritten)
+            self._targets[(fi, s)] = g.chunk_for_overwrite(s)
+        return self._targets[(fi, s)]
 
     def publish(self, fi: int, s: int, written: bool) -> Handle:
         """Send segment s's updated values to the chunk the model computes with. ``written``:
         the optimizer already wrote them into copy_out_target. Returns the copy's handle."""
         g = self.groups[fi]
-        chunk, master = g.chunk(s), g.master_segments[s]
+        master = g.master_segments[s]
+        if g.param_swap is not None:  # a host buffer the swap takes over: no copy to wait for
+            target = self._targets.pop((fi, s), None)
+            if target is None:
+                target = g.chunk_for_overwrite(s)
+                written = False
+            if not written:
+                target.copy_(master)
+            g.chunk_written(s, target)
+            return Handle()
+        chunk = g.chunk(s)
         if g.dtype == torch.float32:
             source = master
         else:
@@ -123,6 +139,7 @@ class OptimizerOffload:
             handle.wait()
         self._grad_copies.clear()
         self._param_copies.clear()
+        self._targets.clear()  # a step cut short: its unpublished chunks change nothing
 
     def nbytes(self) -> int:
         """Host bytes of the gradient and staging buffers."""

@@ -21,7 +21,7 @@ stay in memory. An optimizer creates its state in its first step as ordinary ten
 optimizer swaps, not only Adam.
 
 The master never exists whole in memory: FlatParamGroup writes it a segment at a time while
-the model is laid out (``reserve``, ``put_master``), before the step's tiles are known
+the model is laid out (``reserve``, ``put``), before the step's tiles are known
 (``attach``); the files' layout depends on the groups alone, and a tile is a contiguous range.
 
 Cold paths (checkpoints, write-backs, consolidation) go through ``visit``: the tiles holding
@@ -66,7 +66,7 @@ class SwapStats:
 
 class OptimizerSwap:
     """Built before the flat groups: each group ``reserve``s its regions and writes its master
-    straight to the drive a segment at a time (``put_master``), so no rank ever holds its whole
+    straight to the drive a segment at a time (``put``), so no rank ever holds its whole
     master in memory, not even while the model is laid out; ``attach`` then hands over the
     groups and the step's tiles."""
 
@@ -103,7 +103,7 @@ class OptimizerSwap:
         self.aio.allocate(self._path(MASTER), max(self.total * 4, 1))
         return gi
 
-    def put_master(self, gi: int, s: int, values: torch.Tensor) -> None:
+    def put(self, gi: int, s: int, values: torch.Tensor) -> None:
         """Write the initial fp32 master of group gi's segment s (its chunk on this rank)."""
         numel = self._numels[gi][s]
         if values.numel() != numel:

@@ -390,7 +390,7 @@ class ParamFetcher:
             g = self.groups[gi]
             full = g.segment_full[s]
             self.comm.broadcast(full, src)
-            g.chunk(s).copy_(full[g.layout.segments[s].own_chunk_local(g.rank)])
+            g.set_chunk(s, full[g.layout.segments[s].own_chunk_local(g.rank)])
             g.refresh_master([s])
 
     def gather_for_backward(self, keys: list[Key]) -> None:
@@ -489,6 +489,15 @@ class ParamFetcher:
             if key not in self.gathered:
                 self._start(key, prefetch=True)
                 live += numel
+        self._read_ahead(order[position + 1:])
+
+    def _read_ahead(self, keys: list[Key]) -> None:
+        """offload_param nvme: start reading the chunks of the segments coming next from the
+        drive (ParamSwap bounds how many), so the gathers beyond the window find them."""
+        swap = self.groups[0].param_swap if self.groups else None
+        if swap is not None:
+            swap.read_ahead([(self.groups[gi].param_index, s) for gi, s in keys[:256]
+                             if (gi, s) not in self.gathered])
 
     def gathered_numel(self) -> int:
         return sum(self._segment_numel(k) for k in self.gathered)

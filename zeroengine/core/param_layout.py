@@ -21,12 +21,13 @@ def lay_out_parameters(module: nn.Module, optimizer: torch.optim.Optimizer,
                        order: dict[int, int], sharding: Sharding, comm: Comm, zero: ZeroConfig,
                        precision: Precision, device: torch.device,
                        pin: bool, shard: Comm | None = None,
-                       master_sink=None) -> list[FlatParamGroup]:
+                       master_sink=None, param_sink=None) -> list[FlatParamGroup]:
     """One FlatParamGroup per (optimizer group, dtype); at stage 3 split further into
     parameters kept whole (below stage3_param_persistence_threshold elements) and
     partitioned ones, whose segments follow the modules that hold them. ``shard``: the ranks
     the states are sharded over (hybrid sharding: a group of ``comm``; default ``comm``).
-    ``master_sink``: NVMe offload's OptimizerSwap, which takes each group's master."""
+    ``master_sink``: NVMe offload's OptimizerSwap, which takes each group's master;
+    ``param_sink``: its ParamSwap, which takes the partitioned groups' parameter shards."""
     shard = shard or comm
     shard_world = shard.world_size if sharding.optimizer_state else 1
     bucket = max(1, zero.reduce_bucket_size)  # 0 (DeepSpeed accepts it): one parameter each
@@ -71,8 +72,8 @@ def lay_out_parameters(module: nn.Module, optimizer: torch.optim.Optimizer,
                         device, compute_dtype=dtype, partitioned=True,
                         units=[owner[id(p)] for p in split], value_of=value_of,
                         offload_master=offload_master,
-                        offload_shard=zero.offload_param.device == "cpu", pin=pin,
-                        master_sink=master_sink))
+                        offload_shard=zero.offload_param.device in ("cpu", "nvme"),
+                        pin=pin, master_sink=master_sink, param_sink=param_sink))
             if whole:
                 groups.append(FlatParamGroup(whole, gi, shard.rank, shard_world,
                                              bucket, device,
