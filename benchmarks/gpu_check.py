@@ -203,7 +203,9 @@ def check_streams() -> None:
 def train_case(stage: int, bf16: bool, offload, steps: int = 4, compiled: bool = False,
                optimizer: str = "adamw", states: dict | None = None) -> float:
     """Deviation from plain PyTorch. ``offload``: False, True ("cpu") or "nvme" (pinned host
-    tiles, swap files in a temporary directory); ``states``: receives the trained state dict."""
+    tiles, swap files in a temporary directory), "nvme+params" (the stage-3 parameter shard
+    on the drive too, through a cache smaller than it); ``states``: receives the trained state
+    dict."""
     import zeroengine
     from zeroengine.examples.gpt import GPT, GPTConfig
     cfg = GPTConfig(context=64, layers=2, heads=4, dim=128)
@@ -219,12 +221,16 @@ def train_case(stage: int, bf16: bool, offload, steps: int = 4, compiled: bool =
     if stage == 3:  # partition this small model's parameters too (default threshold: 100k)
         zero["stage3_param_persistence_threshold"] = 0
     swap_dir = None
-    if offload == "nvme":
+    if offload in ("nvme", "nvme+params"):
         import tempfile
         swap_dir = tempfile.mkdtemp(prefix="gpu_check_nvme_")
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": swap_dir, "pin_memory": True,
                                      "pipeline_read": True, "pipeline_write": True}
         zero["sub_group_size"] = 20_000  # several tiles in flight
+        if offload == "nvme+params":
+            zero["offload_param"] = {"device": "nvme", "nvme_path": swap_dir, "pin_memory": True,
+                                     "max_in_cpu": 50_000, "buffer_count": 2,
+                                     "buffer_size": 50_000}
     elif offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     engine = zeroengine.initialize(model, {
@@ -281,12 +287,12 @@ def check_training() -> None:
         check(name, dev < bound, f"deviation from plain PyTorch {dev:.2e} (< {bound})")
     # NVMe offload: pinned tiles, device copies of the updated values read from them while the
     # next tile's read is in flight; the same numbers as CPU offload, bit for bit
-    for stage, bf16 in [(2, False), (3, True)]:
+    for stage, bf16, where in [(2, False, "nvme"), (3, True, "nvme"), (3, True, "nvme+params")]:
         cpu, nvme = {}, {}
         train_case(stage, bf16, True, states=cpu)
-        dev = train_case(stage, bf16, "nvme", states=nvme)
+        dev = train_case(stage, bf16, where, states=nvme)
         same = all(torch.equal(cpu[k], nvme[k]) for k in cpu)
-        check(f"train world 1 stage {stage}{' bf16' if bf16 else ''} nvme offload",
+        check(f"train world 1 stage {stage}{' bf16' if bf16 else ''} {where} offload",
               same and dev < (0.1 if bf16 else 1e-3),
               f"bitwise equal to CPU offload: {same}; deviation from plain PyTorch {dev:.2e}")
 

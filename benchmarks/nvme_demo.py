@@ -2,22 +2,23 @@
 may use (`make nvme-demo`).
 
 Two ranks train a byte-level GPT at ZeRO stage 3, bf16, built sharded (zero_init), with the
-optimizer offloaded to the drive (configs/zero3_nvme.json: fp32 master, Adam's moments in swap
-files under --nvme-path, streamed a sub-group tile at a time). Memory is capped two ways:
+model states on the drive (configs/zero3_nvme.json: fp32 master and Adam's moments in swap
+files under --nvme-path, streamed a sub-group tile at a time; the bf16 parameter shard in swap
+files too, read through a small cache as the modules gather it). Memory is capped two ways:
 - every rank's peak resident set (the kernel's VmHWM) must stay under --cap-gb, checked at the
   end (the documented RSS cap), and
 - where this machine lets us (root with a cgroup v1 memory controller or cgroup v2), the whole
   job runs in a memory cgroup limited to ranks x cap: exceeding it kills the job (OOM), so the
   cap is enforced, not just observed.
-The model states per rank (fp32 master + moments on the drive, bf16 parameter shard in memory)
-are reported next to the cap; the target is >= 1.5x. Each step's time is split into compute
-(forward + backward, with their communication), disk (time the step waited for the drive),
-CPU Adam and the rest of the step. The job then saves a checkpoint, still under the cap (unless
---no-checkpoint). Then, unless --no-compare, the same model with
-offload_optimizer.device 'cpu' (states in host memory) runs two steps without a cap, and its
-peak RSS is what the job would need without NVMe.
+The model states per rank (fp32 master, moments and bf16 parameter shard) are reported next to
+the cap; the target is >= 1.5x. Each step's time is split into compute (forward + backward,
+with their communication and their waits for parameter reads), disk (time the optimizer step
+waited for the drive), CPU Adam and the rest of the step. The job then saves a checkpoint, still under the cap (unless
+--no-checkpoint). Then, unless --no-compare, the same model with offload_optimizer and
+offload_param 'cpu' (states in host memory) runs two steps without a cap, and its peak RSS is
+what the job would need without NVMe.
 
-    python benchmarks/nvme_demo.py [--dim 1536 --layers 18 --steps 8 --cap-gb 2.2]
+    python benchmarks/nvme_demo.py [--dim 1536 --layers 18 --steps 8 --cap-gb 1.6]
 """
 from __future__ import annotations
 
@@ -55,9 +56,12 @@ def rank_main(args) -> None:
 
     torch.manual_seed(0)
     config = json.load(open(CONFIG))
-    offload = config["zero_optimization"]["offload_optimizer"]
-    offload["device"] = args.device
-    offload["nvme_path"] = args.nvme_path
+    for section in ("offload_optimizer", "offload_param"):
+        offload = config["zero_optimization"][section]
+        offload["device"] = args.device
+        offload["nvme_path"] = args.nvme_path
+    if args.max_in_cpu is not None:
+        config["zero_optimization"]["offload_param"]["max_in_cpu"] = args.max_in_cpu
     cfg = GPTConfig(context=args.context, layers=args.layers, heads=args.heads, dim=args.dim)
     t0 = time.perf_counter()
     with zeroengine.zero_init(config):
@@ -66,7 +70,7 @@ def rank_main(args) -> None:
     init_s = time.perf_counter() - t0
     rank = engine.comm.rank
     after_init_kb = status_kb("VmRSS")
-    swap = engine.optimizer.swap
+    swap, params = engine.optimizer.swap, engine.param_swap
     adam_s = [0.0]
     for part in engine.optimizer.parts:  # time the CPU Adam passes themselves
         inner = part.optimizer
@@ -86,53 +90,70 @@ def rank_main(args) -> None:
     for step in range(args.steps):
         idx = torch.randint(0, len(data) - cfg.context - 1, (micro,), generator=gen)
         window = torch.stack([data[i:i + cfg.context + 1] for i in idx])
+        param_io0 = _io(params)
         t = time.perf_counter()
         loss = model.loss(window[:, :-1], window[:, 1:])
         engine.backward(loss)
         compute = time.perf_counter() - t
+        param_io = [b - a for a, b in zip(param_io0, _io(params))]
         if rank == 0 and os.environ.get("ZE_DEMO_DEBUG"):
             print(f"    rank 0 RSS after backward: now {status_kb('VmRSS') / 1e6:.2f} GB, peak "
                   f"{status_kb('VmHWM') / 1e6:.2f} GB", flush=True)
-        adam0, wait0 = adam_s[0], swap.stats.wait_s if swap else 0.0
-        read0, write0 = (swap.stats.read_bytes, swap.stats.write_bytes) if swap else (0, 0)
+        adam0, (wait0, read0, write0) = adam_s[0], _io(swap, params)
         t = time.perf_counter()
         engine.step()
         step_s = time.perf_counter() - t
+        wait1, read1, write1 = _io(swap, params)
         if rank == 0 and os.environ.get("ZE_DEMO_DEBUG"):
             print(f"    rank 0 RSS: after init {after_init_kb / 1e6:.2f} GB, now "
                   f"{status_kb('VmRSS') / 1e6:.2f} GB, peak {status_kb('VmHWM') / 1e6:.2f} GB",
                   flush=True)
-        disk = (swap.stats.wait_s - wait0) if swap else 0.0
+        disk = wait1 - wait0
         adam = adam_s[0] - adam0
         rows.append({"step": step, "loss": loss.item(), "compute_s": compute, "step_s": step_s,
                      "disk_wait_s": disk, "adam_s": adam,
                      "other_s": step_s - disk - adam,
-                     "read_gb": ((swap.stats.read_bytes - read0) / GB) if swap else 0.0,
-                     "write_gb": ((swap.stats.write_bytes - write0) / GB) if swap else 0.0})
+                     "read_gb": (read1 - read0) / GB, "write_gb": (write1 - write0) / GB,
+                     # forward + backward: waits for parameter chunks and the bytes moved
+                     "param_wait_s": param_io[0], "param_read_gb": param_io[1] / GB,
+                     "param_write_gb": param_io[2] / GB})
         if rank == 0:
             r = rows[-1]
-            print(f"  step {step}: loss {r['loss']:.3f}  compute {r['compute_s']:.2f} s  step "
-                  f"{r['step_s']:.2f} s (disk wait {r['disk_wait_s']:.2f}, Adam "
-                  f"{r['adam_s']:.2f}, other {r['other_s']:.2f})", flush=True)
+            print(f"  step {step}: loss {r['loss']:.3f}  compute {r['compute_s']:.2f} s (param "
+                  f"reads waited {r['param_wait_s']:.2f})  step {r['step_s']:.2f} s (disk wait "
+                  f"{r['disk_wait_s']:.2f}, Adam {r['adam_s']:.2f}, other "
+                  f"{r['other_s']:.2f})", flush=True)
     save_s = None
     if args.checkpoint:  # under the same cap: written a tile at a time
         t = time.perf_counter()
         engine.save_checkpoint(args.checkpoint)
         save_s = time.perf_counter() - t
     report = engine.memory_report()
-    params_shard = sum(fg.nbytes() + fg.nbytes(host=True) for fg in engine.flat_groups)
+    # the parameters this rank owns, wherever they are (its partitioned chunks, whole groups)
+    params_shard = sum(fg.layout.shard_numel * fg.dtype.itemsize if fg.partitioned
+                       else fg.nbytes() + fg.nbytes(host=True) for fg in engine.flat_groups)
     out = {"rank": rank, "params": num_params(model) if rank == 0 else None,
            "init_s": init_s, "rows": rows, "memory_report": report, "save_s": save_s,
            "param_shard_bytes": params_shard,
            "optimizer_state_bytes": (swap.file_bytes() if swap else
                                      report["host_optimizer_states"]),
            "swap_host_bytes": swap.host_bytes() if swap else 0,
+           "params_on_drive": params is not None,
+           "param_cache_hits": [params.stats.hits, params.stats.read_ahead_hits,
+                                params.stats.misses] if params else None,
            "tiles": len(swap.tiles) if swap else 0,
            "aio_backend": swap.aio.backend if swap else None,
            "rss_after_init_kb": after_init_kb, "peak_rss_kb": status_kb("VmHWM")}
     engine.close()
     with open(args.out, "w") as f:
         json.dump(out, f)
+
+
+def _io(*swaps) -> tuple[float, int, int]:
+    """(seconds waited, bytes read, bytes written) so far by these swaps (None: absent)."""
+    swaps = [s for s in swaps if s is not None]
+    return (sum(s.stats.wait_s for s in swaps), sum(s.stats.read_bytes for s in swaps),
+            sum(s.stats.write_bytes for s in swaps))
 
 
 # -- the launcher -------------------------------------------------------------------------------
@@ -194,7 +215,8 @@ def launch(args, device: str, cgroup: str | None) -> list[dict]:
 def _forward(args) -> list[str]:
     return ["--dim", str(args.dim), "--layers", str(args.layers), "--heads", str(args.heads),
             "--context", str(args.context), "--steps", str(args.steps),
-            "--nvme-path", args.nvme_path]
+            "--nvme-path", args.nvme_path] + \
+        ([] if args.max_in_cpu is None else ["--max-in-cpu", str(args.max_in_cpu)])
 
 
 def _free_port() -> int:
@@ -251,7 +273,11 @@ def summarize(args, nvme: list[dict], cpu: list[dict] | None, enforced: str,
         "losses": losses,
         "loss_went_down": losses[-1] < losses[0],
         "median_step": {k: median(k) for k in ("compute_s", "step_s", "disk_wait_s", "adam_s",
-                                               "other_s", "read_gb", "write_gb")},
+                                               "other_s", "read_gb", "write_gb",
+                                               "param_wait_s", "param_read_gb",
+                                               "param_write_gb")},
+        "params_on_drive": r0["params_on_drive"],
+        "param_cache_hits_ahead_misses": r0["param_cache_hits"],
         "init_s": r0["init_s"], "nvme_rows": rows, "checkpoint_save_s": r0["save_s"],
     }
     m = summary["median_step"]
@@ -273,7 +299,8 @@ def summarize(args, nvme: list[dict], cpu: list[dict] | None, enforced: str,
 
 def print_summary(s: dict) -> None:
     print(f"\nGPT {s['params'] / 1e6:.0f}M parameters, {s['ranks']} ranks, stage 3 bf16, "
-          f"optimizer on NVMe ({s['aio_backend']}, {s['tiles']} tiles per rank)")
+          f"optimizer {'and parameters ' if s['params_on_drive'] else ''}on NVMe "
+          f"({s['aio_backend']}, {s['tiles']} tiles per rank)")
     print(f"cap: {s['cap_per_rank_gb']:.2f} GB per rank ({s['enforced_by']})")
     print("| rank | model states (GB) | states / cap | peak RSS (GB) | under cap |")
     print("|---|---|---|---|---|")
@@ -283,11 +310,12 @@ def print_summary(s: dict) -> None:
     m = s["median_step"]
     print(f"\nloss (mean over ranks) {' -> '.join(f'{x:.3f}' for x in s['losses'])}")
     print("\nmedian step after the first (rank 0, s):")
-    print("| compute (fwd+bwd) | optimizer step | of which: disk wait | CPU Adam | rest |"
-          " read GB | written GB |")
-    print("|---|---|---|---|---|---|---|")
-    print(f"| {m['compute_s']:.2f} | {m['step_s']:.2f} | {m['disk_wait_s']:.2f} | "
-          f"{m['adam_s']:.2f} | {m['other_s']:.2f} | {m['read_gb']:.2f} | {m['write_gb']:.2f} |")
+    print("| compute (fwd+bwd) | of which: param reads | optimizer step | of which: disk wait |"
+          " CPU Adam | rest | read GB | written GB |")
+    print("|---|---|---|---|---|---|---|---|")
+    print(f"| {m['compute_s']:.2f} | {m['param_wait_s']:.2f} ({m['param_read_gb']:.2f} GB) | "
+          f"{m['step_s']:.2f} | {m['disk_wait_s']:.2f} | {m['adam_s']:.2f} | "
+          f"{m['other_s']:.2f} | {m['read_gb']:.2f} | {m['write_gb']:.2f} |")
     line = (f"\nthe job moved {s['job_disk_gbps_over_step']:.2f} GB/s (read + written, both "
             "ranks) over the optimizer step")
     if s.get("fio_mixed"):
@@ -302,7 +330,7 @@ def print_summary(s: dict) -> None:
     if "without_nvme_peak_rss_per_rank_gb" in s:
         peaks = s["without_nvme_peak_rss_per_rank_gb"]
         w = s["without_nvme_step"]
-        print(f"\nwithout NVMe (offload_optimizer cpu, no cap): peak RSS per rank "
+        print(f"\nwithout NVMe (offload_optimizer and offload_param cpu, no cap): peak RSS per rank "
               f"{', '.join(f'{p:.2f}' for p in peaks)} GB = {max(peaks) / s['cap_per_rank_gb']:.2f}x "
               f"the cap; step {w['step_s']:.2f} s (Adam {w['adam_s']:.2f}), compute "
               f"{w['compute_s']:.2f} s")
@@ -316,8 +344,10 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--cap-gb", type=float, default=2.2, help="peak RSS allowed per rank")
+    ap.add_argument("--cap-gb", type=float, default=1.6, help="peak RSS allowed per rank")
     ap.add_argument("--nvme-path", default=None, help="default: a directory under the repo")
+    ap.add_argument("--max-in-cpu", type=int, default=None,
+                    help="offload_param.max_in_cpu (default: the config's)")
     ap.add_argument("--no-compare", action="store_true",
                     help="skip the run without NVMe (states in host memory)")
     ap.add_argument("--no-fio", action="store_true", help="skip fio's reference measurement")
@@ -348,7 +378,7 @@ def main() -> None:
         shutil.rmtree(os.path.join(args.nvme_path, "demo_checkpoint"), ignore_errors=True)
         cpu = None
         if not args.no_compare:
-            print("the same model without NVMe (optimizer states in host memory), no cap:",
+            print("the same model without NVMe (model states in host memory), no cap:",
                   flush=True)
             args.steps = 2
             cpu = launch(args, "cpu", None)

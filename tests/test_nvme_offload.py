@@ -232,9 +232,10 @@ def test_nvme_demo_runs_under_its_cap(tmp_path):
     it enforces, the loss goes down, the step is split into disk / Adam / rest."""
     out = tmp_path / "demo.json"
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "nvme_demo.py"), "--dim", "128",
+        [sys.executable, os.path.join(ROOT, "benchmarks", "nvme_demo.py"), "--dim", "384",
          "--layers", "2", "--heads", "4", "--steps", "8", "--cap-gb", "3", "--no-compare",
-         "--no-fio", "--nvme-path", str(tmp_path / "swap"), "--json", str(out)],
+         "--no-fio", "--max-in-cpu", "100000", "--nvme-path", str(tmp_path / "swap"),
+         "--json", str(out)],
         capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     import json
@@ -243,6 +244,8 @@ def test_nvme_demo_runs_under_its_cap(tmp_path):
     assert len(result["losses"]) == 8 and result["tiles"] >= 1
     step = result["median_step"]
     assert step["read_gb"] > 0 and step["write_gb"] > 0 and step["adam_s"] > 0
+    # the parameter shard on the drive too: forward and backward read it back every step
+    assert result["params_on_drive"] and step["param_read_gb"] > 0
     for row in result["nvme_rows"]:
         assert row["disk_wait_s"] >= 0 and row["other_s"] >= 0
         assert abs(row["disk_wait_s"] + row["adam_s"] + row["other_s"] - row["step_s"]) < 1e-6
