@@ -32,8 +32,8 @@ demo: setup
 	$(PY) -m pip install -q tqdm matplotlib
 	$(VENV)/bin/zeroengine train configs/demo_zero3.json --nproc 2
 
-# NVMe offload under a memory cap: a 511M-parameter GPT at 2 ranks whose model states are 1.6x
-# the memory each rank may use (docs/nvme.md); about 6 minutes here, swap files in .nvme_swap/
+# NVMe offload under a memory cap: a 511M-parameter GPT at 2 ranks whose model states are 2.1x
+# the memory each rank may use (docs/nvme.md); about 5 minutes here, swap files in .nvme_swap/
 nvme-demo: setup
 	OMP_NUM_THREADS=1 $(PY) benchmarks/nvme_demo.py --json bench_out/nvme_demo.json
 

@@ -18,7 +18,7 @@ waited for the drive), CPU Adam and the rest of the step. The job then saves a c
 offload_param 'cpu' (states in host memory) runs two steps without a cap, and its peak RSS is
 what the job would need without NVMe.
 
-    python benchmarks/nvme_demo.py [--dim 1536 --layers 18 --steps 8 --cap-gb 1.6]
+    python benchmarks/nvme_demo.py [--dim 1536 --layers 18 --steps 8 --cap-gb 1.7]
 """
 from __future__ import annotations
 
@@ -344,7 +344,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--cap-gb", type=float, default=1.6, help="peak RSS allowed per rank")
+    ap.add_argument("--cap-gb", type=float, default=1.7, help="peak RSS allowed per rank")
     ap.add_argument("--nvme-path", default=None, help="default: a directory under the repo")
     ap.add_argument("--max-in-cpu", type=int, default=None,
                     help="offload_param.max_in_cpu (default: the config's)")
