@@ -311,15 +311,17 @@ def test_a_write_back_reaches_the_swapped_master(tmp_path, stage, device):
 
 
 def start_and_die(path):
-    engine, _ = train_engine(nvme_config(1, "fp32", "nvme", path), "adamw", 1, 2)
+    """Optimizer and parameters on the drive: two swap directories left behind."""
+    engine, _ = train_engine(nvme_config(3, "fp32", "nvme+params", path), "adamw", 1, 2)
     with open(os.path.join(path, "swap_dir"), "w") as f:
-        f.write(engine.optimizer.swap.dir.path)
-    os.kill(os.getpid(), 9)  # no atexit, no close: the swap directory stays behind
+        f.write(f"{engine.optimizer.swap.dir.path}\n{engine.param_swap.dir.path}")
+    os.kill(os.getpid(), 9)  # no atexit, no close: the swap directories stay behind
 
 
 def start_again(path):
-    engine, _ = train_engine(nvme_config(1, "fp32", "nvme", path), "adamw", 1, 2)
-    removed = engine.optimizer.swap.dir.removed_stale
+    engine, _ = train_engine(nvme_config(3, "fp32", "nvme+params", path), "adamw", 1, 2)
+    # the first swap directory made removes every stale one
+    removed = engine.optimizer.swap.dir.removed_stale + engine.param_swap.dir.removed_stale
     engine.close()
     return removed
 
@@ -341,10 +343,11 @@ def test_a_killed_run_leaves_nothing_the_next_start_keeps(tmp_path):
             os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(free_port())), timeout=300)
     assert proc.returncode == -9, proc.stderr[-2000:]
-    left = open(tmp_path / "swap_dir").read()
-    assert os.path.isdir(left) and os.listdir(left)
+    left = open(tmp_path / "swap_dir").read().split("\n")
+    assert all(os.path.isdir(d) and os.listdir(d) for d in left) and len(set(left)) == 2
     removed = run_ranks(1, start_again, str(tmp_path))[0]
-    assert removed == [os.path.basename(left)] and not os.path.exists(left)
+    assert sorted(removed) == sorted(os.path.basename(d) for d in left)
+    assert not any(os.path.exists(d) for d in left)
 
 
 def test_a_missing_nvme_path_is_refused_by_name(tmp_path):
