@@ -203,7 +203,7 @@ class ZeroEngine:
         off = config.zero_optimization.offload_param
         return ParamSwap(self._swap_dir("offload_param", off.nvme_path),
                          self._file_io(config), max_in_cpu=off.max_in_cpu,
-                         read_ahead_numel=off.buffer_count * off.buffer_size)
+                         read_ahead_numel=off.buffer_count * off.buffer_size, pin=self._pin)
 
     def close(self) -> None:
         """Remove every hook the engine put on the model and its parameters; close the

@@ -16,7 +16,10 @@ a time (``reserve``, ``put``); from then on:
   drive when evicted. A buffer never handed back changes nothing (a step cut short leaves the
   old values, on the drive and in the cache alike).
 - eviction (least recently used first, past ``max_in_cpu``) only drops the cache's reference:
-  a chunk still in use - a gather reading it - stays alive until its user is done.
+  a chunk still in use - a gather reading it - stays alive until its user is done. With ``pin``
+  (CUDA) the buffers are page-locked, from torch's caching host allocator, which does not hand
+  a freed block out again before the device copies reading it are done; so a gather's copy to
+  the device runs asynchronously even from a chunk the cache has let go.
 
 Same-chunk transfers are ordered here, as the I/O engine does not order them: a write waits for
 the chunk's previous write, a read for its pending write, and a chunk changed while a read
@@ -56,8 +59,8 @@ class _Entry:
 
 class ParamSwap:
     def __init__(self, swap_dir: SwapDir, aio: AsyncFileIO, *, max_in_cpu: int,
-                 read_ahead_numel: int):
-        self.dir, self.aio = swap_dir, aio
+                 read_ahead_numel: int, pin: bool = False):
+        self.dir, self.aio, self.pin = swap_dir, aio, pin
         self.max_in_cpu, self.read_ahead_numel = max_in_cpu, read_ahead_numel
         self.dtypes: list[torch.dtype] = []
         self.numels: list[list[int]] = []
@@ -164,7 +167,7 @@ class ParamSwap:
     def _new_entry(self, key: Key) -> _Entry:
         gi, s = key
         dtype, numel = self.dtypes[gi], self.numels[gi][s]
-        buffer = aligned_empty(aligned_numel(numel, dtype), dtype)
+        buffer = aligned_empty(aligned_numel(numel, dtype), dtype, pin=self.pin)
         buffer[numel:].zero_()
         return _Entry(buffer, buffer[:numel])
 
