@@ -72,6 +72,19 @@ def test_estimate_cli(capsys):
     assert main(["estimate", "--config", os.path.join(ROOT, "configs", "zero3.json"),
                  "--world", "2"]) == 0
     assert "built-in GPT" in capsys.readouterr().out
+    # NVMe: the optimizer's 12 bytes and stage 3's 2 parameter bytes per shard element go to
+    # the drive; only the bf16 gradient shard stays
+    assert main(["estimate", "--params", "7.5e9", "--stage", "3", "--world", "64",
+                 "--offload-optimizer", "nvme", "--offload-param", "nvme"]) == 0
+    out = capsys.readouterr().out
+    row = [line for line in out.splitlines() if line.startswith("| 64 ")][0]
+    assert "NVMe total" in out and row.endswith("| 0.218 | 0.000 | 1.528 |"), row
+    assert main(["estimate", "--config", os.path.join(ROOT, "configs", "zero3_nvme.json"),
+                 "--world", "2"]) == 0
+    assert "offload optimizer nvme, params nvme" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="do not model NVMe"):
+        main(["estimate", "--params", "1e9", "--stage", "2", "--offload-optimizer", "nvme",
+              "--time"])
 
 
 def test_gpt_parameter_count_formula():
@@ -80,7 +93,7 @@ def test_gpt_parameter_count_formula():
     assert gpt_num_params(cfg.vocab, cfg.context, cfg.layers, cfg.dim) == num_params(GPT(cfg))
 
 
-def measured_states(cases):
+def measured_states(cases, path):
     import torch
 
     import zeroengine
@@ -90,7 +103,10 @@ def measured_states(cases):
         torch.manual_seed(0)
         model = GPT(GPTConfig(context=32, layers=2, heads=4, dim=128))
         zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
-        if offload:
+        if offload == "nvme":  # optimizer and parameters on the drive
+            zero["offload_optimizer"] = {"device": "nvme", "nvme_path": path}
+            zero["offload_param"] = {"device": "nvme", "nvme_path": path}
+        elif offload:
             zero["offload_optimizer"] = {"device": "cpu"}
         cfg = {"optimizer": {"type": "AdamW"}, "zero_optimization": zero,
                "bf16": {"enabled": precision == "bf16"}}
@@ -103,16 +119,25 @@ def measured_states(cases):
     return out
 
 
-def test_estimate_matches_what_the_engine_holds():
-    """Per category within 5% (padding, and torch's per-chunk step tensors, are the rest)."""
+def test_estimate_matches_what_the_engine_holds(tmp_path):
+    """Per category within 5% (padding, and torch's per-chunk step tensors, are the rest); on
+    the drive within 25% (each segment's region starts on a 4096-element boundary)."""
     cases = [(s, p, False) for s in (0, 1, 2, 3) for p in ("fp32", "bf16")] + \
-        [(2, "bf16", True)]
-    results = run_ranks(2, measured_states, cases)[0]
+        [(2, "bf16", True), (3, "bf16", "nvme")]
+    results = run_ranks(2, measured_states, cases, str(tmp_path))[0]
     for (stage, precision, offload), (report, n) in zip(cases, results):
-        e = model_state_bytes(n, stage, 2, precision, 2, offload_optimizer=offload)
+        e = model_state_bytes(n, stage, 2, precision, 2, offload_optimizer=offload,
+                              offload_param="nvme" if offload == "nvme" else False)
         pairs = [("params", e.params), ("grads", e.grads),
                  ("optimizer_states", e.optimizer_states),
                  ("host_optimizer_states", e.host_optimizer_states)]
+        if offload == "nvme":  # in memory only the tiles and the cache (buffers): not states
+            assert e.host_total == 0 and report["host_grads"] == 0
+            pairs = pairs[:3]
+            for key in ("nvme_params", "nvme_optimizer_states"):
+                assert getattr(e, key) > 0
+                assert getattr(e, key) <= report[key] <= 1.25 * getattr(e, key), \
+                    (key, report[key], getattr(e, key))
         for key, estimate in pairs:
             assert report[key] == pytest.approx(estimate, rel=0.05, abs=1024), \
                 (stage, precision, offload, key, report[key], estimate)

@@ -86,8 +86,8 @@ def _estimate(args) -> int:
         stage = zero.stage if stage is None else stage
         precision = "fp16" if cfg.fp16.enabled is True else (
             "bf16" if cfg.bf16.enabled is True else "fp32")
-        offload_optimizer = offload_optimizer or zero.offload_optimizer.device == "cpu"
-        offload_param = offload_param or zero.offload_param.device == "cpu"
+        offload_optimizer = offload_optimizer or zero.offload_optimizer.device
+        offload_param = offload_param or zero.offload_param.device
         if cfg.optimizer is not None:
             optimizer = cfg.optimizer.type
         if not params:
@@ -101,20 +101,26 @@ def _estimate(args) -> int:
     stage = 0 if stage is None else stage
     states = states_per_param(optimizer)
     gib = 2 ** 30
+    offload_optimizer, offload_param = offload_optimizer or "none", offload_param or "none"
+    nvme = "nvme" in (offload_optimizer, offload_param)
     print(f"Model states per rank for {source}, stage {stage}, {precision}, {optimizer} "
-          f"({states} states/param), offload optimizer {'on' if offload_optimizer else 'off'}, "
-          f"params {'on' if offload_param else 'off'} (GiB; ZeRO formulas, no activations or "
-          "buffers)\n")
-    print("| world size | params | grads | optimizer states | device total | host total |")
-    print("|---|---|---|---|---|---|")
+          f"({states} states/param), offload optimizer {offload_optimizer}, params "
+          f"{offload_param} (GiB; ZeRO formulas, no activations or buffers)\n")
+    print("| world size | params | grads | optimizer states | device total | host total |"
+          + (" NVMe total |" if nvme else ""))
+    print("|---|---|---|---|---|---|" + ("---|" if nvme else ""))
     for world in args.world:
         e = model_state_bytes(params, stage, world, precision, states, offload_optimizer,
                               offload_param)
         print(f"| {world} | {e.params / gib:.3f} | {e.grads / gib:.3f} | "
               f"{e.optimizer_states / gib:.3f} | {e.device_total / gib:.3f} | "
-              f"{e.host_total / gib:.3f} |")
+              f"{e.host_total / gib:.3f} |" + (f" {e.nvme_total / gib:.3f} |" if nvme else ""))
     if args.recommend or args.time:
-        _predict_steps(args, params, stage, precision, states, offload_optimizer, offload_param)
+        if nvme:  # the model has no drive in it: it would predict a CPU-offload step
+            raise SystemExit("zeroengine estimate: --time/--recommend do not model NVMe "
+                             "offload (the drive's time); the memory table above holds")
+        _predict_steps(args, params, stage, precision, states, offload_optimizer == "cpu",
+                       offload_param == "cpu")
     if args.ranks_per_node:
         _cross_node_traffic(args, params, stage, precision)
     return 0
@@ -254,8 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--world", type=int, nargs="+", default=[1, 2, 8, 64, 1024])
     e.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
     e.add_argument("--optimizer", default="adamw")
-    e.add_argument("--offload-optimizer", action="store_true")
-    e.add_argument("--offload-param", action="store_true")
+    e.add_argument("--offload-optimizer", nargs="?", const="cpu", default=None,
+                   choices=("none", "cpu", "nvme"), help="where the optimizer states go "
+                   "(the flag alone: cpu)")
+    e.add_argument("--offload-param", nargs="?", const="cpu", default=None,
+                   choices=("none", "cpu", "nvme"), help="where stage 3's parameter shard goes "
+                   "(the flag alone: cpu)")
     e.add_argument("--time", action="store_true", help="also predict the step time "
                    "(zeroengine.tools.scale_model: compute, ring collectives, overlap)")
     e.add_argument("--recommend", action="store_true", help="per world size, the least "

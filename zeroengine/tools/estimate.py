@@ -7,7 +7,9 @@ fp32) and S elementwise optimizer states (Adam: 2; SGD with momentum: 1):
   optimizer   (m + 4*S)*P / N   (stage 0: not divided), m = 4 for the fp32 master copy (mixed
               precision, or any offloaded run), 0 in fp32 where the parameter is the master
 Offload moves the optimizer part to host memory, plus an fp32 host copy of the gradient shard
-(4*P/N); offload_param moves the stage-3 parameter shard there. Mixed-precision Adam gives the
+(4*P/N); offload_param moves the stage-3 parameter shard there. To "nvme", the same parts go to
+the drive instead (``nvme_*``) and no host gradient copy is kept (converted a tile at a time);
+the tiles and cache in host memory are buffers, not counted. Mixed-precision Adam gives the
 paper's 16P, 4P + 12P/N, 2P + 14P/N and 16P/N for stages 0-3.
 Not included: bucket/prefetch buffers, padding (< N*16 elements per bucket), activations.
 """
@@ -29,6 +31,8 @@ class MemoryEstimate:
     host_params: float = 0.0
     host_grads: float = 0.0
     host_optimizer_states: float = 0.0
+    nvme_params: float = 0.0
+    nvme_optimizer_states: float = 0.0
 
     @property
     def device_total(self) -> float:
@@ -38,8 +42,13 @@ class MemoryEstimate:
     def host_total(self) -> float:
         return self.host_params + self.host_grads + self.host_optimizer_states
 
+    @property
+    def nvme_total(self) -> float:
+        return self.nvme_params + self.nvme_optimizer_states
+
     def as_dict(self) -> dict:
-        return {**asdict(self), "device_total": self.device_total, "host_total": self.host_total}
+        return {**asdict(self), "device_total": self.device_total, "host_total": self.host_total,
+                "nvme_total": self.nvme_total}
 
 
 def states_per_param(optimizer: str, momentum: float = 0.9) -> int:
@@ -53,9 +62,11 @@ def states_per_param(optimizer: str, momentum: float = 0.9) -> int:
 
 
 def model_state_bytes(num_params: float, stage: int, world_size: int, precision: str = "fp32",
-                      states: int = 2, offload_optimizer: bool = False,
-                      offload_param: bool = False) -> MemoryEstimate:
-    """Bytes of model states per rank (see the module docstring for the formulas)."""
+                      states: int = 2, offload_optimizer: bool | str = False,
+                      offload_param: bool | str = False) -> MemoryEstimate:
+    """Bytes of model states per rank (see the module docstring for the formulas).
+    ``offload_*``: False/"none", True/"cpu" or "nvme"."""
+    offload_optimizer, offload_param = _where(offload_optimizer), _where(offload_param)
     sharding = Sharding.of_stage(stage)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -72,13 +83,25 @@ def model_state_bytes(num_params: float, stage: int, world_size: int, precision:
     grads = b * shard if sharding.gradients else b * P
     master = 4 if (precision != "fp32" or offload_optimizer) else 0
     optimizer = (master + 4 * states) * (shard if sharding.optimizer_state else P)
-    host = {}
+    moved = {}
     if offload_optimizer:
-        host["host_optimizer_states"], optimizer = optimizer, 0.0
-        host["host_grads"] = 4 * shard
+        moved[f"{offload_optimizer}_optimizer_states"], optimizer = optimizer, 0.0
+        if offload_optimizer == "host":
+            moved["host_grads"] = 4 * shard
     if offload_param:
-        host["host_params"], params = params, 0.0
-    return MemoryEstimate(params, grads, optimizer, **host)
+        moved[f"{offload_param}_params"], params = params, 0.0
+    return MemoryEstimate(params, grads, optimizer, **moved)
+
+
+def _where(offload: bool | str) -> str | None:
+    """Where an offload setting puts its part: None (the device), "host" or "nvme"."""
+    if offload in (False, None, "none"):
+        return None
+    if offload in (True, "cpu"):
+        return "host"
+    if offload == "nvme":
+        return "nvme"
+    raise ValueError(f"offload must be 'none', 'cpu' or 'nvme', got {offload!r}")
 
 
 def gpt_num_params(vocab: int, context: int, layers: int, dim: int) -> int:
