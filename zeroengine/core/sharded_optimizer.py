@@ -36,6 +36,7 @@ from .optimizer_factory import (
 )
 from .optimizer_kind import TENSORWISE, optimizer_kind
 from .optimizer_offload import OptimizerOffload
+from .optimizer_shard_state import ShardStateIO
 from .owner_step import OwnedParams
 from .precision import LossScaler
 from .sharding import Sharding
@@ -67,7 +68,7 @@ class InnerPart:
     fused: bool = False  # FusedAdam taking reduced gradients as they are (CUDA)
 
 
-class ShardedOptimizer(torch.optim.Optimizer):
+class ShardedOptimizer(ShardStateIO, torch.optim.Optimizer):
     def __init__(self, base: torch.optim.Optimizer, flat_groups: list[FlatParamGroup],
                  reducer: GradReducer, comm: Comm, *, sharding: Sharding, settings: StepSettings,
                  loss_scaler: LossScaler | None = None, offload: OptimizerOffload | None = None,
@@ -544,142 +545,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "offload_optimizer.device 'nvme' keeps on the drive; save and resume with "
                 "engine.save_checkpoint(dir) / engine.load_checkpoint(dir), which read and write "
                 "it a tile at a time")
-
-    def shard_state(self, fg: FlatParamGroup) -> tuple[dict[str, torch.Tensor], dict]:
-        """The inner optimizer's state over one group's shard, for checkpoints: elementwise
-        tensors laid out like the shard (key -> CPU tensor), and the scalar state."""
-        self._refuse_tensorwise(fg, "saving")
-        elementwise: dict[str, torch.Tensor] = {}
-        scalars: dict = {}
-        for s in fg.resident_masters():
-            seg, master = fg.layout.segments[s], fg.master_segments[s]
-            for key, value in self.inner.state.get(master, {}).items():
-                if torch.is_tensor(value) and value.numel() == master.numel() and value.dim() > 0:
-                    if key not in elementwise:
-                        elementwise[key] = torch.zeros(fg.layout.shard_numel, dtype=value.dtype)
-                    seg.of_shard(elementwise[key]).copy_(value.detach().reshape(-1))
-                elif key not in scalars:
-                    scalars[key] = value.item() if torch.is_tensor(value) else value
-        return elementwise, scalars
-
-    def load_shard_state(self, fg: FlatParamGroup, shards: dict[str, torch.Tensor],
-                         scalars: dict) -> None:
-        """The inverse of ``shard_state``, through the inner optimizer's own load_state_dict so
-        each class gets its own dtypes and devices (torch keeps ``step`` as a tensor, CPUAdam
-        as an int)."""
-        self._refuse_tensorwise(fg, "loading")
-        optimizer = self.parts[self._part_of[self.flat_groups.index(fg)]].optimizer
-        wants_int_step = isinstance(optimizer, CPUAdam)
-        if self.swap is not None:  # into the swapped tensors, a tile at a time
-            for s in fg.resident_masters(write_back=True):
-                self._load_segment_state(optimizer, fg, s, shards, scalars, wants_int_step)
-            return
-        current = self.inner.state_dict()
-        index_of = {}
-        for group in self.inner.param_groups:
-            for p in group["params"]:
-                index_of[id(p)] = len(index_of)
-        state = current["state"]
-        for seg, master in zip(fg.layout.segments, fg.master_segments):
-            entry = {}
-            for key, value in scalars.items():
-                if key == "step":
-                    entry[key] = int(value) if wants_int_step else torch.tensor(float(value))
-                else:
-                    entry[key] = value
-            for key, shard in shards.items():
-                entry[key] = seg.of_shard(shard).clone().to(master.device)
-            state[index_of[id(master)]] = entry
-        self.inner.load_state_dict({"state": state, "param_groups": current["param_groups"]})
-
-    def _load_segment_state(self, optimizer, fg: FlatParamGroup, s: int, shards: dict,
-                            scalars: dict, wants_int_step: bool) -> None:
-        """Segment s's state from checkpoint shards (NVMe offload, its tile resident)."""
-        seg = fg.layout.segments[s]
-        targets = self.segment_state_targets(fg, s, list(shards), scalars)
-        for key, shard in shards.items():
-            targets[key].copy_(seg.of_shard(shard).view_as(targets[key]))
-
-    def segment_state_targets(self, fg: FlatParamGroup, s: int, keys, scalars: dict) -> dict:
-        """NVMe offload, segment s's tile resident: set its scalar state and return, for each
-        per-element state key, the (zeroed) tensor to fill - the one the optimizer holds
-        (swapped tensors keep their identity) or a new one, adopted by the swap when the tile
-        is written back."""
-        optimizer = self.parts[self._part_of[self.flat_groups.index(fg)]].optimizer
-        master = fg.master_segments[s]
-        state = optimizer.state[master]
-        for key, value in scalars.items():
-            if key == "step":
-                value = int(value) if isinstance(optimizer, CPUAdam) \
-                    else torch.tensor(float(value))
-            state[key] = value
-        targets = {}
-        for key in keys:
-            held = state.get(key)
-            if not (torch.is_tensor(held) and held.numel() == master.numel()):
-                dtype = self.swap.kinds.get(key, torch.float32) if self.swap else torch.float32
-                held = state[key] = torch.zeros(master.numel(), dtype=dtype,
-                                                device=master.device)
-            targets[key] = held.zero_()
-        return targets
-
-    def shard_state_kinds(self, fg: FlatParamGroup) -> tuple[dict, dict]:
-        """NVMe offload: what ``shard_state`` would return, without bringing anything in:
-        (per-element state key -> dtype, scalar state). The values are streamed by
-        ``stream_shard_state``."""
-        fi = self.flat_groups.index(fg)
-        self._refuse_tensorwise(fg, "saving")
-        states = self.parts[self._part_of[fi]].optimizer.state
-        kinds, scalars = {}, {}
-        for s, master in enumerate(fg.master_segments):
-            swapped = self.swap.keys_of.get((fi, s), ())
-            for key in swapped:
-                kinds[key] = self.swap.kinds[key]
-            for key, value in states.get(master, {}).items():
-                if key not in swapped and key not in scalars and \
-                        (not torch.is_tensor(value) or value.dim() == 0):
-                    scalars[key] = value.item() if torch.is_tensor(value) else value
-        return kinds, scalars
-
-    def stream_shard_state(self, fg: FlatParamGroup, kinds, write) -> None:
-        """NVMe offload: ``write(key, segment, values)`` for the master ("master") and each
-        per-element state key of every segment of ``fg``, a tile at a time."""
-        states = self.parts[self._part_of[self.flat_groups.index(fg)]].optimizer.state
-        for s in fg.resident_masters():
-            seg, master = fg.layout.segments[s], fg.master_segments[s]
-            write("master", seg, master)
-            state = states.get(master, {})
-            for key in kinds:
-                if torch.is_tensor(state.get(key)) and state[key].numel() == master.numel():
-                    write(key, seg, state[key])
-
-    def _refuse_tensorwise(self, fg: FlatParamGroup, doing: str) -> None:
-        fi = next(i for i, g in enumerate(self.flat_groups) if g is fg)
-        if fi in self.owned:  # a bug if reached: checkpoints use owned_state for these
-            raise RuntimeError(f"{doing} flat-shard state of a tensor-wise group ({fi})")
-
-    def owned_state(self, fi: int) -> dict[int, dict]:
-        """Tensor-wise flat group ``fi``: parameter index -> the inner optimizer's state for
-        that whole parameter, for the parameters this rank owns (tensors as they are kept)."""
-        owned = self.owned[fi]
-        inner = self.parts[self._part_of[fi]].optimizer
-        return {i: dict(inner.state.get(p, {})) for i, p in zip(owned.names, owned.params)}
-
-    def load_owned_state(self, fi: int, states: dict[int, dict]) -> None:
-        """The inverse of ``owned_state`` (parameters missing from ``states`` start fresh),
-        through the inner optimizer's load_state_dict so its own dtype/device rules apply."""
-        owned = self.owned[fi]
-        current = self.inner.state_dict()
-        index_of = {}
-        for group in self.inner.param_groups:
-            for p in group["params"]:
-                index_of[id(p)] = len(index_of)
-        for i, p in zip(owned.names, owned.params):
-            if i in states:
-                current["state"][index_of[id(p)]] = states[i]
-            else:
-                current["state"].pop(index_of[id(p)], None)
-        self.inner.load_state_dict(current)
 
     def state_nbytes(self) -> int:
         """Bytes of the inner optimizer's state tensors (in host memory when offloaded)."""
