@@ -357,3 +357,32 @@ def test_a_missing_nvme_path_is_refused_by_name(tmp_path):
     with pytest.raises(ConfigError, match="nvme_path.*not_made.*is not a directory"):
         zeroengine.initialize(model, nvme_config(2, "fp32", "nvme", missing), optimizer=opt)
     assert not os.path.exists(missing)
+
+
+def as_if_on_a_gpu(path, stage, device):
+    """The CUDA layout on this machine: the chunks the model computes with count as device
+    memory, so the optimizer's bf16 values go through host staging to them (with NVMe: the
+    tile's slot instead of a shard-sized buffer)."""
+    from zeroengine.core.optimizer_offload import OptimizerOffload
+    OptimizerOffload._chunk_on_host = staticmethod(lambda g: False)
+    engine, losses = train_engine(nvme_config(stage, "bf16", device, path, pipeline=True),
+                                  "adamw", STEPS, 2)
+    swap = engine.optimizer.swap
+    out = (engine.consolidated_state_dict(), losses, engine.offload.nbytes(),
+           None if swap is None else [s.staging is not None for s in swap.slots])
+    engine.close()
+    return out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_low_precision_values_are_staged_a_tile_at_a_time(trained, tmp_path, stage):
+    cpu = trained[1][(stage, "bf16", stage == 2, "adamw")][0]  # plain CPU offload
+    staged = run_ranks(2, as_if_on_a_gpu, str(tmp_path), stage, "cpu")
+    nvme = run_ranks(2, as_if_on_a_gpu, str(tmp_path), stage, "nvme")
+    for rank in range(2):
+        for run in (staged, nvme):
+            err, where = max_relative_error(run[rank][0], cpu[rank][0])
+            assert err == 0.0, f"rank {rank}: {err:.2e} at {where}"
+            assert run[rank][1] == cpu[rank][1]
+        assert staged[rank][2] > 0  # CPU offload: a shard-sized bf16 staging buffer
+        assert nvme[rank][2] == 0 and all(nvme[rank][3])  # NVMe: each slot stages its tile

@@ -45,7 +45,8 @@ def train(cases, path):
         swap = engine.param_swap
         stats = None if swap is None else (
             swap.stats.read_bytes, swap.stats.write_bytes, swap.stats.misses,
-            swap.stats.read_ahead_hits, (swap.cached_numel, len(swap.cache), swap.host_bytes()), swap.dir.path,
+            swap.stats.read_ahead_hits,
+            (swap.cached_numel, len(swap.cache), swap.host_bytes()), swap.dir.path,
             sum(fg.layout.shard_numel for fg in engine.flat_groups if fg.partitioned))
         out.append((engine.consolidated_state_dict(), losses, engine.memory_report(), stats))
         engine.close()

@@ -116,8 +116,7 @@ class ZeroEngine:
             check_order=zero.stage3_check_gather_order,
             leaf_modules=zero.stage3_leaf_modules) if partitioned else None
         reduce_dtype = self.precision.reduce if config.communication_data_type else None
-        self.offload = OptimizerOffload(self.flat_groups, reduce_dtype, self._pin,
-                                        stream_grads=swap is not None) \
+        self.offload = OptimizerOffload(self.flat_groups, reduce_dtype, self._pin, swap=swap) \
             if self.offload_optimizer else None
         scaler = LossScaler.from_config(config.fp16) if config.fp16.enabled else None
         self.reducer = GradReducer(

@@ -33,11 +33,14 @@ class OptimizerOffload:
     """Host-side buffers and copies of an offloaded optimizer step, per flat group."""
 
     def __init__(self, groups: list[FlatParamGroup], reduce_dtype: torch.dtype | None,
-                 pin: bool, stream_grads: bool = False):
+                 pin: bool, swap=None):
         """``reduce_dtype``: the dtype reduced gradients arrive in (None: each group's own).
-        ``stream_grads`` (NVMe offload, where host memory is what is short): no shard-sized
-        host gradient buffer; each sub-group's fp32 gradients are made when it steps."""
+        ``swap`` (NVMe offload, an OptimizerSwap; host memory is what is short there): no
+        shard-sized host buffers - each sub-group's fp32 gradients are made when it steps, and
+        its low-precision values bound for the device are staged in its tile's slot."""
         self.groups = groups
+        self.swap = swap
+        stream_grads = swap is not None
         self.reduce_dtype = reduce_dtype
         self._index = {id(g): i for i, g in enumerate(groups)}
         self.grads: list[list[torch.Tensor] | None] = []
@@ -47,14 +50,22 @@ class OptimizerOffload:
             self.grads.append(self._host_views(g, torch.float32, pin)
                               if convert and not stream_grads else None)
             # The bf16/fp16 values the optimizer writes go straight into the chunk when it is
-            # in host memory; otherwise into a host staging buffer sent to the device after.
-            on_host = g.shard_device.type == "cpu" if g.partitioned else g.device.type == "cpu"
-            self.low.append(None if g.dtype == torch.float32 or on_host
-                            else self._host_views(g, g.dtype, pin))
+            # in host memory; otherwise into a host staging buffer sent to the device after
+            # (with NVMe: the tile's, from the swap).
+            self.low.append(None if g.dtype == torch.float32 or self._chunk_on_host(g)
+                            or swap is not None else self._host_views(g, g.dtype, pin))
+        self._stage_in_swap = [swap is not None and g.dtype != torch.float32
+                               and not self._chunk_on_host(g) for g in groups]
         self._grad_copies: dict[tuple[int, int], Handle] = {}  # copied for this step
         # parameter shard on the drive: the buffers the step writes chunks into, until publish
         self._targets: dict[tuple[int, int], torch.Tensor] = {}
         self._param_copies: list[Handle] = []
+
+    @staticmethod
+    def _chunk_on_host(g: FlatParamGroup) -> bool:
+        """Whether the chunks the model computes with are in host memory (the optimizer can
+        write them in place)."""
+        return g.shard_device.type == "cpu" if g.partitioned else g.device.type == "cpu"
 
     def _needs_grad_copy(self, g: FlatParamGroup) -> bool:
         """False where the reduced gradient already is fp32 in host memory: used in place."""
@@ -99,6 +110,8 @@ class OptimizerOffload:
             return None
         if self.low[fi] is not None:
             return self.low[fi][s]
+        if self._stage_in_swap[fi]:  # the same bytes every call while the tile is in
+            return self.swap.staging((fi, s), g.dtype)
         if (fi, s) not in self._targets:  # (nothing read from the drive to be overwritten)
             self._targets[(fi, s)] = g.chunk_for_overwrite(s)
         return self._targets[(fi, s)]

@@ -55,6 +55,7 @@ class _Slot:
     reads: list[Handle] = field(default_factory=list)
     writes: list[Handle] = field(default_factory=list)
     uses: list[Handle] = field(default_factory=list)  # copies that read the buffers
+    staging: torch.Tensor | None = None  # the tile's low-precision values bound for the device
 
 
 @dataclass
@@ -169,6 +170,22 @@ class OptimizerSwap:
         at = (self.offset[pair] - self.extent[k][0]) * itemsize
         numel = self._numels[pair[0]][pair[1]]
         return self._buffer(slot, kind)[at:at + numel * itemsize].view(dtype)
+
+    def staging(self, pair: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+        """Host room in the slot of ``pair``'s tile (resident) for its updated low-precision
+        values on their way to the device; the copies reading it are ``release``'s ``uses``,
+        finished before the slot holds another tile. Not swapped: nothing goes to the drive."""
+        k = self.tile_of[pair]
+        slot = self._slot(k)
+        if slot.tile != k or k not in self._pointed:
+            raise RuntimeError(f"OptimizerSwap.staging: tile {k} is not resident (a bug)")
+        itemsize = dtype.itemsize
+        if slot.staging is None or slot.staging.numel() < self.tile_capacity * itemsize:
+            slot.staging = aligned_empty(self.tile_capacity * itemsize, torch.uint8,
+                                         pin=self.pin)
+        at = (self.offset[pair] - self.extent[k][0]) * itemsize
+        numel = self._numels[pair[0]][pair[1]]
+        return slot.staging[at:at + numel * itemsize].view(dtype)
 
     def _kinds_in(self, k: int) -> list[str]:
         present = {MASTER}
@@ -323,7 +340,8 @@ class OptimizerSwap:
         return sum(self.total * d.itemsize for d in self.kinds.values())
 
     def host_bytes(self) -> int:
-        return sum(b.numel() for slot in self.slots for b in slot.buffers.values())
+        return sum(b.numel() for slot in self.slots for b in slot.buffers.values()) + \
+            sum(slot.staging.numel() for slot in self.slots if slot.staging is not None)
 
     def close(self) -> None:
         self.finish()
