@@ -8,6 +8,8 @@ import os
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from models import max_relative_error, train_engine
 
 import zeroengine
@@ -111,7 +113,7 @@ def test_cache_evicts_least_recently_used_and_writes_changed_chunks(tmp_path):
         assert torch.equal(swap.chunk(gi, s), values[s])
     assert (gi, 0) not in swap.cache and swap.cached_numel == 2500
     assert torch.equal(held, values[0])  # evicted, still valid for whoever holds it
-    new = swap.for_overwrite(gi, 0)  # not cached: a fresh buffer, nothing read
+    new = swap.for_overwrite(gi, 0)  # a fresh buffer, nothing read
     assert swap.stats.misses == 4
     new.fill_(3)
     swap.written(gi, 0, new)  # cached dirty; chunk 1 (least recently used) leaves, clean
@@ -141,6 +143,54 @@ def test_a_read_ahead_of_a_chunk_changed_meanwhile_is_dropped(tmp_path):
     assert (gi, 0) not in swap.cache
     assert torch.equal(swap.chunk(gi, 0), torch.full((2048,), 2.0))
     swap.close()
+
+
+NUMELS = [1000, 3000, 17, 2048, 500]
+OPS = st.lists(st.tuples(st.sampled_from(["read", "write", "ahead", "flush"]),
+                         st.integers(0, len(NUMELS) - 1), st.integers(-50, 50)),
+               min_size=1, max_size=40)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=OPS, max_in_cpu=st.sampled_from([0, 1500, 4000, 10_000]),
+       read_ahead=st.sampled_from([0, 2000, 10_000]), held=st.booleans())
+def test_every_read_sees_the_last_values_written(tmp_path_factory, ops, max_in_cpu, read_ahead,
+                                                 held):
+    """Any sequence of reads, overwrites, reads ahead and flushes, under any cache size and
+    read-ahead budget: a read returns what was last written, and a chunk handed out earlier
+    (``held``: kept by its reader, as a gather in flight keeps it) keeps its values, evicted,
+    overwritten or not."""
+    path = str(tmp_path_factory.mktemp("swap"))
+    swap = ParamSwap(SwapDir(path, 0), AsyncFileIO(4096, 4, 1), max_in_cpu=max_in_cpu,
+                     read_ahead_numel=read_ahead)
+    gi = swap.reserve(NUMELS, torch.float32)
+    truth = [torch.full((n,), float(s)) for s, n in enumerate(NUMELS)]
+    for s, values in enumerate(truth):
+        swap.put(gi, s, values)
+    kept = []
+    try:
+        for op, s, value in ops:
+            if op == "read":
+                got = swap.chunk(gi, s)
+                assert torch.equal(got, truth[s]), (op, s)
+                if held:
+                    kept.append((got, truth[s].clone()))
+            elif op == "write":
+                buf = swap.for_overwrite(gi, s)
+                buf.fill_(float(value))
+                swap.written(gi, s, buf)
+                truth[s] = torch.full((NUMELS[s],), float(value))
+            elif op == "ahead":
+                swap.read_ahead([(gi, (s + i) % len(NUMELS)) for i in range(3)])
+            else:
+                swap.flush()
+            assert swap.cached_numel <= max(max_in_cpu, max(NUMELS))
+        for got, expected in kept:
+            assert torch.equal(got, expected)
+        for s in range(len(NUMELS)):
+            assert torch.equal(swap.chunk(gi, s), truth[s])
+    finally:
+        swap.close()
 
 
 def test_parameters_on_nvme_need_a_host_side_step_and_a_path():

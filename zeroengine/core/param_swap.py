@@ -10,11 +10,12 @@ a time (``reserve``, ``put``); from then on:
   by ``read_ahead``, else read now). ParamFetcher reads ahead along the order the first step
   recorded, ``read_ahead_numel`` elements past its all-gather prefetch, so the drive works
   while the modules before compute.
-- writes: whoever changes a chunk (the optimizer step's copy-out, a write-back) takes a buffer
-  from ``for_overwrite`` - the cached chunk, or a fresh one nothing is read into - fills it
-  whole and hands it back with ``written``; the cache then holds it as dirty and it goes to the
-  drive when evicted. A buffer never handed back changes nothing (a step cut short leaves the
-  old values, on the drive and in the cache alike).
+- writes: whoever changes a chunk (the optimizer step's copy-out, a write-back) takes a fresh
+  buffer from ``for_overwrite`` (nothing is read into it), fills it whole and hands it back with
+  ``written``; the cache then holds it, dirty, in place of the old one, and it goes to the drive
+  when evicted. A chunk handed out is never changed in place - a device copy or a gather still
+  reading it sees the values it was handed - and a buffer never handed back changes nothing (a
+  step cut short leaves the old values, on the drive and in the cache alike).
 - eviction (least recently used first, past ``max_in_cpu``) only drops the cache's reference:
   a chunk still in use - a gather reading it - stays alive until its user is done. With ``pin``
   (CUDA) the buffers are page-locked, from torch's caching host allocator, which does not hand
@@ -134,10 +135,9 @@ class ParamSwap:
 
     # -- writing --------------------------------------------------------------------------------
     def for_overwrite(self, gi: int, s: int) -> torch.Tensor:
-        """A buffer for segment s's new values, to be filled whole and handed to ``written``:
-        the cached chunk, else a fresh buffer (nothing read into it)."""
-        entry = self.cache.get((gi, s))
-        return entry.view if entry is not None else self._new_entry((gi, s)).view
+        """A fresh buffer for segment s's new values, to be filled whole and handed to
+        ``written`` (nothing is read into it)."""
+        return self._new_entry((gi, s)).view
 
     def written(self, gi: int, s: int, view: torch.Tensor) -> None:
         """``view`` (from ``for_overwrite``) holds segment s's new values: cache it, dirty."""
