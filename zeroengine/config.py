@@ -84,7 +84,7 @@ class OffloadParamConfig:
     device: str = option("none", "Where to keep the parameter shard: 'none' (on the training "
                          "device), 'cpu' (host memory; copied to the device when gathered) "
                          "or 'nvme' (files under nvme_path, read through a host cache of "
-                         "max_in_cpu elements; needs offload_optimizer 'cpu' or 'nvme').",
+                         "max_in_cpu elements).",
                          choices=("none", "cpu", "nvme"))
     nvme_path: Optional[str] = option(None, "device 'nvme': a directory on the fast drive; "
                                       "each rank swaps under <nvme_path>/zeroengine_swap/ "
@@ -632,11 +632,6 @@ def parse_config(source: "str | os.PathLike | dict | Config") -> Config:
                "stage 3 shards (and so offloads) parameters; DeepSpeed ignores it too")
         zero.offload_param = OffloadParamConfig()
     if zero.offload_param.device == "nvme":
-        if zero.offload_optimizer.device == "none":
-            # the step then runs on the device, writing chunks that live in host files
-            raise ConfigError("zero_optimization.offload_param.device 'nvme' needs "
-                              "offload_optimizer.device 'cpu' or 'nvme': zeroengine updates "
-                              "a parameter shard on the drive from the host-side optimizer step")
         if not zero.offload_param.nvme_path:
             raise ConfigError("zero_optimization.offload_param.device 'nvme' needs "
                               "offload_param.nvme_path: a directory on the drive to swap to")

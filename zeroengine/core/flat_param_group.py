@@ -44,7 +44,8 @@ class FlatParamGroup:
         ``offload_master`` / ``offload_shard``: keep the fp32 master / the partitioned shard in
         host memory. ``master_sink`` (an OptimizerSwap; with ``offload_master``): the master
         goes to the drive a segment at a time instead, never whole in memory. ``param_sink`` (a
-        ParamSwap; partitioned, with ``offload_master``): the same for the parameter shard."""
+        ParamSwap; partitioned): the same for the parameter shard (the master is then always a
+        separate copy)."""
         self.params = params
         self.group_index = group_index
         self.rank = rank if shard_world > 1 else 0
@@ -61,12 +62,12 @@ class FlatParamGroup:
         host = torch.device("cpu")
         self.master_device = host if offload_master else device
         self.shard_device = host if self.offload_shard else device
-        # fp32 compute on the device: the parameters (or their shard) are the master, no copy
-        separate_master = self.dtype != torch.float32 or offload_master
-        sink = master_sink if separate_master and offload_master else None
         param_sink = param_sink if partitioned else None
-        if param_sink is not None and sink is None and not separate_master:
-            raise ValueError("a parameter shard on the drive needs a separate master (a bug)")
+        # fp32 compute on the device: the parameters (or their shard) are the master, no copy
+        # - unless the shard lives on the drive, where the optimizer cannot step it in place
+        separate_master = self.dtype != torch.float32 or offload_master or \
+            param_sink is not None
+        sink = master_sink if separate_master and offload_master else None
         wanted = ([(torch.float32, self.master_device)] if separate_master and not sink
                   else []) + ([(self.dtype, self.shard_device)]
                               if partitioned and param_sink is None else [])

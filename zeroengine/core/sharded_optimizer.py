@@ -377,6 +377,8 @@ class ShardedOptimizer(ShardStateIO, torch.optim.Optimizer):
             if fg.master is None:  # fp32: the master is the model's own chunk
                 written.add((fi, s))
                 continue
+            if fg.param_swap is not None:  # on the drive: publish writes it through the swap
+                continue
             chunk = fg.chunk(s)
             if chunk.device == master.device:  # not an offloaded stage-3 shard
                 lows[master] = chunk
