@@ -234,3 +234,19 @@ def test_conflicting_flags_stop_before_training():
     FakeTrainer.precision = "bf16-true"
     with pytest.raises(ConfigError, match="bf16-mixed"):
         ZeroStrategy(stage=2)._resolved_config(FakeTrainer())
+
+
+def test_offload_arguments_are_deepspeed_strategys():
+    """Lightning's DeepSpeedStrategy offload arguments, NVMe included, become the config."""
+    from zeroengine.config import ConfigError, parse_config
+    from zeroengine.integrations.lightning import ZeroStrategy
+    strategy = ZeroStrategy(stage=3, offload_optimizer=True, offload_parameters=True,
+                            offload_optimizer_device="nvme", offload_params_device="nvme",
+                            nvme_path="/fast")
+    zero = parse_config(strategy._zero_raw).zero_optimization
+    assert (zero.offload_optimizer.device, zero.offload_optimizer.nvme_path) == ("nvme", "/fast")
+    assert (zero.offload_param.device, zero.offload_param.nvme_path) == ("nvme", "/fast")
+    zero = ZeroStrategy(stage=2, offload_optimizer=True)._zero_raw["zero_optimization"]
+    assert zero["offload_optimizer"] == {"device": "cpu"} and "offload_param" not in zero
+    with pytest.raises(ConfigError, match="offload_params_device='disk'"):
+        ZeroStrategy(stage=3, offload_parameters=True, offload_params_device="disk")

@@ -41,7 +41,11 @@ struct Transfer {
   std::atomic<int64_t> blocks_left{0};
   std::mutex mu;
   std::string error;  // first failure
-  at::Tensor keep;    // the buffer stays alive until the transfer is waited for
+  // The buffer stays alive until the transfer is waited for. Released by wait() (a Python
+  // thread), never by the I/O thread: the last reference to a tensor Python made takes the
+  // GIL to free it, and an I/O thread blocked on the GIL stalls every transfer behind it - for
+  // good while the GIL holder waits for that thread (~Engine's join: a deadlock).
+  at::Tensor keep;
 };
 
 struct Block {
@@ -136,8 +140,14 @@ class Engine {
       done_cv_.wait(lock, [&] { return t->blocks_left.load() == 0; });
       transfers_.erase(it);
     }
-    std::lock_guard<std::mutex> lock(t->mu);
-    TORCH_CHECK(t->error.empty(), t->error);
+    at::Tensor keep;  // every block is done: the buffer is free here, on this thread
+    std::string error;
+    {
+      std::lock_guard<std::mutex> lock(t->mu);
+      keep = std::move(t->keep);
+      error = t->error;
+    }
+    TORCH_CHECK(error.empty(), error);
   }
 
   // fsync every file this engine wrote: after it, the bytes are on the device.

@@ -90,7 +90,12 @@ class ZeroStrategy(DDPStrategy):
 
     def __init__(self, stage: int | None = None, config: str | os.PathLike | dict | None = None,
                  offload_optimizer: bool = False, offload_parameters: bool = False,
-                 **ddp_kwargs: Any):
+                 offload_optimizer_device: str = "cpu", offload_params_device: str = "cpu",
+                 nvme_path: str = "/local_nvme", **ddp_kwargs: Any):
+        """Lightning's DeepSpeedStrategy arguments where they mean the same: ``stage``,
+        ``config`` (a DeepSpeed-style dict or JSON path), ``offload_optimizer`` /
+        ``offload_parameters`` to ``offload_optimizer_device`` / ``offload_params_device``
+        ("cpu" or "nvme", under ``nvme_path``); the rest go to DDPStrategy."""
         _check_version()
         super().__init__(**ddp_kwargs)
         raw = config_dict(config, "ZeroStrategy(config=...)")
@@ -101,10 +106,16 @@ class ZeroStrategy(DDPStrategy):
                                   f"zero_optimization.stage {zero['stage']} disagree; give one")
             zero["stage"] = stage
         zero.setdefault("stage", 2)
-        if offload_optimizer:
-            zero["offload_optimizer"] = {"device": "cpu"}
-        if offload_parameters:
-            zero["offload_param"] = {"device": "cpu"}
+        for on, key, device, arg in (
+                (offload_optimizer, "offload_optimizer", offload_optimizer_device,
+                 "offload_optimizer_device"),
+                (offload_parameters, "offload_param", offload_params_device,
+                 "offload_params_device")):
+            if device not in ("cpu", "nvme"):
+                raise ConfigError(f"ZeroStrategy({arg}={device!r}): expected 'cpu' or 'nvme'")
+            if on:
+                zero[key] = {"device": device, **({"nvme_path": nvme_path}
+                                                  if device == "nvme" else {})}
         self._zero_raw = raw
         self.engine = None
         self._stepping = False  # inside optimizer_step's closure: the backward ends a group
