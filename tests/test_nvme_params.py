@@ -208,3 +208,16 @@ def missing_path(path):
 
 def test_a_missing_param_nvme_path_is_refused_by_name(tmp_path):
     assert run_ranks(1, missing_path, str(tmp_path / "no_such_dir")) == [True]
+
+
+def read_ahead_without_prefetch(path):
+    cfg = config("bf16", "cpu", "nvme", path)
+    cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = 0  # no all-gathers ahead
+    engine, _ = train_engine(cfg, "adamw", STEPS, 2)
+    hits = engine.param_swap.stats.read_ahead_hits
+    engine.close()
+    return hits
+
+
+def test_the_drive_is_read_ahead_even_without_gather_prefetch(tmp_path):
+    assert all(hits > 0 for hits in run_ranks(2, read_ahead_without_prefetch, str(tmp_path)))

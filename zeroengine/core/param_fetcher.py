@@ -472,24 +472,25 @@ class ParamFetcher:
     # -- prefetch ------------------------------------------------------------------------------
     def _prefetch_after(self, keys: list[Key]) -> None:
         order, positions = self._orders[self._phase], self._positions[self._phase]
-        if not order or self.prefetch_numel <= 0:
+        if not order:
             return
         position = max((positions.get(k, -1) for k in keys), default=-1)
         if position < 0:
             return
         position = max(position, self._reached[self._phase])
-        self._reached[self._phase] = position
-        budget = self.prefetch_numel
-        live = self.gathered_numel()
-        for key in order[position + 1:]:
-            numel = self._segment_numel(key)
-            if numel > budget or live + numel > self.max_live_numel:
-                break
-            budget -= numel
-            if key not in self.gathered:
-                self._start(key, prefetch=True)
-                live += numel
-        self._read_ahead(order[position + 1:])
+        if self.prefetch_numel > 0:
+            self._reached[self._phase] = position
+            budget = self.prefetch_numel
+            live = self.gathered_numel()
+            for key in order[position + 1:]:
+                numel = self._segment_numel(key)
+                if numel > budget or live + numel > self.max_live_numel:
+                    break
+                budget -= numel
+                if key not in self.gathered:
+                    self._start(key, prefetch=True)
+                    live += numel
+        self._read_ahead(order[position + 1:])  # from the drive: even without prefetching
 
     def _read_ahead(self, keys: list[Key]) -> None:
         """offload_param nvme: start reading the chunks of the segments coming next from the
