@@ -242,11 +242,17 @@ def test_offload_arguments_are_deepspeed_strategys():
     from zeroengine.integrations.lightning import ZeroStrategy
     strategy = ZeroStrategy(stage=3, offload_optimizer=True, offload_parameters=True,
                             offload_optimizer_device="nvme", offload_params_device="nvme",
-                            nvme_path="/fast")
-    zero = parse_config(strategy._zero_raw).zero_optimization
+                            nvme_path="/fast", params_buffer_size=150_000_000,
+                            max_in_cpu=10**8, queue_depth=16)
+    cfg = parse_config(strategy._zero_raw)
+    zero = cfg.zero_optimization
     assert (zero.offload_optimizer.device, zero.offload_optimizer.nvme_path) == ("nvme", "/fast")
     assert (zero.offload_param.device, zero.offload_param.nvme_path) == ("nvme", "/fast")
+    assert (zero.offload_param.buffer_count, zero.offload_param.buffer_size,
+            zero.offload_param.max_in_cpu) == (5, 150_000_000, 10**8)
+    assert (cfg.aio.block_size, cfg.aio.queue_depth) == (1_048_576, 16)
     zero = ZeroStrategy(stage=2, offload_optimizer=True)._zero_raw["zero_optimization"]
-    assert zero["offload_optimizer"] == {"device": "cpu"} and "offload_param" not in zero
+    assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": False}
+    assert "offload_param" not in zero
     with pytest.raises(ConfigError, match="offload_params_device='disk'"):
         ZeroStrategy(stage=3, offload_parameters=True, offload_params_device="disk")

@@ -91,11 +91,19 @@ class ZeroStrategy(DDPStrategy):
     def __init__(self, stage: int | None = None, config: str | os.PathLike | dict | None = None,
                  offload_optimizer: bool = False, offload_parameters: bool = False,
                  offload_optimizer_device: str = "cpu", offload_params_device: str = "cpu",
-                 nvme_path: str = "/local_nvme", **ddp_kwargs: Any):
+                 nvme_path: str = "/local_nvme", params_buffer_count: int = 5,
+                 params_buffer_size: int = 100_000_000, max_in_cpu: int = 1_000_000_000,
+                 optimizer_buffer_count: int = 4, pin_memory: bool = False,
+                 block_size: int = 1_048_576, queue_depth: int = 8, thread_count: int = 1,
+                 single_submit: bool = False, overlap_events: bool = True, **ddp_kwargs: Any):
         """Lightning's DeepSpeedStrategy arguments where they mean the same: ``stage``,
         ``config`` (a DeepSpeed-style dict or JSON path), ``offload_optimizer`` /
         ``offload_parameters`` to ``offload_optimizer_device`` / ``offload_params_device``
-        ("cpu" or "nvme", under ``nvme_path``); the rest go to DDPStrategy."""
+        ("cpu" or "nvme", under ``nvme_path``) with ``pin_memory``, and for NVMe the swap
+        buffers (``params_buffer_count`` x ``params_buffer_size`` read ahead, ``max_in_cpu``
+        cached, ``optimizer_buffer_count``) and the ``aio`` settings (``block_size``,
+        ``queue_depth``, ``thread_count``, ``single_submit``, ``overlap_events``), as
+        DeepSpeedStrategy writes them into its config; the rest go to DDPStrategy."""
         _check_version()
         super().__init__(**ddp_kwargs)
         raw = config_dict(config, "ZeroStrategy(config=...)")
@@ -106,6 +114,10 @@ class ZeroStrategy(DDPStrategy):
                                   f"zero_optimization.stage {zero['stage']} disagree; give one")
             zero["stage"] = stage
         zero.setdefault("stage", 2)
+        swap_buffers = {"offload_optimizer": {"buffer_count": optimizer_buffer_count},
+                        "offload_param": {"buffer_count": params_buffer_count,
+                                          "buffer_size": params_buffer_size,
+                                          "max_in_cpu": max_in_cpu}}
         for on, key, device, arg in (
                 (offload_optimizer, "offload_optimizer", offload_optimizer_device,
                  "offload_optimizer_device"),
@@ -114,8 +126,13 @@ class ZeroStrategy(DDPStrategy):
             if device not in ("cpu", "nvme"):
                 raise ConfigError(f"ZeroStrategy({arg}={device!r}): expected 'cpu' or 'nvme'")
             if on:
-                zero[key] = {"device": device, **({"nvme_path": nvme_path}
-                                                  if device == "nvme" else {})}
+                zero[key] = {"device": device, "pin_memory": pin_memory}
+                if device == "nvme":
+                    zero[key].update(nvme_path=nvme_path, **swap_buffers[key])
+                    raw.setdefault("aio", {
+                        "block_size": block_size, "queue_depth": queue_depth,
+                        "thread_count": thread_count, "single_submit": single_submit,
+                        "overlap_events": overlap_events})
         self._zero_raw = raw
         self.engine = None
         self._stepping = False  # inside optimizer_step's closure: the backward ends a group
