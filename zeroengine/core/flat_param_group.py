@@ -190,11 +190,6 @@ class FlatParamGroup:
         target.copy_(values)
         self.chunk_written(s, target)
 
-    def read_ahead(self, segments: list[int]) -> None:
-        """These segments' chunks will be read soon: start reading them from the drive."""
-        if self.param_swap is not None:
-            self.param_swap.read_ahead([(self.param_index, s) for s in segments])
-
     def chunk_on_device(self, s: int) -> torch.Tensor:
         """``chunk(s)`` on the compute device, copied there if the shard is offloaded."""
         chunk = self.chunk(s)

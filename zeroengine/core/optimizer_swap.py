@@ -165,11 +165,15 @@ class OptimizerSwap:
 
     def _view(self, slot: _Slot, k: int, pair: tuple[int, int], kind: str) -> torch.Tensor:
         """Where ``pair``'s values of ``kind`` lie in the slot holding tile k."""
-        dtype = self.kinds[kind]
+        return self._in_tile(self._buffer(slot, kind), k, pair, self.kinds[kind])
+
+    def _in_tile(self, buffer: torch.Tensor, k: int, pair: tuple[int, int],
+                 dtype: torch.dtype) -> torch.Tensor:
+        """``pair``'s elements in ``buffer``, a byte buffer laid out like tile k in ``dtype``."""
         itemsize = dtype.itemsize
         at = (self.offset[pair] - self.extent[k][0]) * itemsize
         numel = self._numels[pair[0]][pair[1]]
-        return self._buffer(slot, kind)[at:at + numel * itemsize].view(dtype)
+        return buffer[at:at + numel * itemsize].view(dtype)
 
     def staging(self, pair: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
         """Host room in the slot of ``pair``'s tile (resident) for its updated low-precision
@@ -183,9 +187,7 @@ class OptimizerSwap:
         if slot.staging is None or slot.staging.numel() < self.tile_capacity * itemsize:
             slot.staging = aligned_empty(self.tile_capacity * itemsize, torch.uint8,
                                          pin=self.pin)
-        at = (self.offset[pair] - self.extent[k][0]) * itemsize
-        numel = self._numels[pair[0]][pair[1]]
-        return slot.staging[at:at + numel * itemsize].view(dtype)
+        return self._in_tile(slot.staging, k, pair, dtype)
 
     def _kinds_in(self, k: int) -> list[str]:
         present = {MASTER}

@@ -143,13 +143,7 @@ class ParamSwap:
         """``view`` (from ``for_overwrite``) holds segment s's new values: cache it, dirty."""
         key = (gi, s)
         self._drop_read(key)  # a read ahead started before the change holds old values
-        entry = self.cache.get(key)
-        if entry is None or entry.view.data_ptr() != view.data_ptr():
-            entry = _Entry(self._whole(key, view), view)
-            self._insert(key, entry)
-        else:
-            self.cache.move_to_end(key)
-        entry.dirty = True
+        self._insert(key, _Entry(self._whole(key, view), view, dirty=True))
 
     def flush(self) -> None:
         """Every changed chunk on the drive (the cache keeps them, clean)."""
