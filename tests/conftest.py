@@ -16,3 +16,10 @@ def train_on_ranks(world: int, train, cases: list) -> dict[int, tuple]:
     every rank's result for that case (what a module-scoped ``trained`` fixture keeps)."""
     per_rank = run_ranks(world, train, cases)
     return {index: results for index, results in enumerate(zip(*per_rank))}
+
+
+def pytest_configure(config):
+    """The hypothesis profile: --hypothesis-profile, else $HYPOTHESIS_PROFILE, else "ci"
+    (derandomized; tests/hypothesis_profiles.py)."""
+    import hypothesis_profiles
+    hypothesis_profiles.load(config.getoption("hypothesis_profile", None))

@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_profiles import examples
 
 from zeroengine.ops import aio
 
@@ -47,7 +48,7 @@ def test_large_aligned_roundtrip(tmp_path, backend):
     io.close()
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(numel=st.integers(1, 5000), offset=st.integers(0, 20000),
        dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int64]),
        backend=st.sampled_from(BACKENDS))

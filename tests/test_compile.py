@@ -274,3 +274,65 @@ def test_compiled_stage2_reduces_buckets_during_backward():
         assert graphs == 1 and not first
         err, where = max_relative_error(state, uncut)
         assert err <= 1e-6, f"{where}: {err:.2e}"
+
+
+# -- compile settings checked at initialize ------------------------------------------------------
+def tiny():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3))
+
+
+@pytest.mark.parametrize("backend,close", [("", None), ("nope", None),
+                                           ("inductor ", "inductor"), ("aot_eagr", "aot_eager")])
+def test_unknown_backend_is_a_config_error_naming_it(backend, close):
+    from zeroengine.config import ConfigError
+    with pytest.raises(ConfigError) as info:
+        zeroengine.initialize(tiny(), {"compile": {"enabled": True, "backend": backend}})
+    message = str(info.value)
+    assert f"compile.backend = {backend!r}" in message and "inductor, " in message, message
+    assert (f"did you mean {close!r}" in message) == (close is not None), message
+
+
+@pytest.mark.parametrize("kwargs,named", [
+    ({"mod": "default"}, "compile.kwargs.mod"),                    # did you mean 'mode'
+    ({"mode": "fastest"}, "compile.kwargs.mode"),
+    ({"options": {"max_autotun": True}}, "compile.kwargs.options.max_autotun"),
+    ({"options": {"max_autotune": "yes"}}, "compile.kwargs.options"),
+    ({"mode": "max-autotune", "options": {"max_autotune": True}}, "compile.kwargs.mode"),
+    ({"fullgraph": "false"}, "compile.kwargs.fullgraph"),
+    ({"dynamic": "no"}, "compile.kwargs.dynamic"),
+    ({"backend": "eager"}, "compile.backend"),
+])
+def test_unknown_compile_arguments_are_config_errors_naming_the_key(kwargs, named):
+    from zeroengine.config import ConfigError
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        zeroengine.initialize(tiny(), {"compile": {"enabled": True, "kwargs": kwargs}})
+
+
+def test_registered_and_callable_backends_keep_working():
+    """A backend the user registered by name, or passed as a callable, compiles and trains."""
+    from torch._dynamo import register_backend
+    calls = []
+
+    def counting(gm, example_inputs):
+        calls.append(len(gm.graph.nodes))
+        return gm.forward
+
+    register_backend(counting, name="zeroengine_test_counting")
+    engine = zeroengine.initialize(tiny(), {
+        "compile": {"enabled": True, "backend": "zeroengine_test_counting"},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    engine.backward(engine(torch.randn(2, 4)).square().mean())
+    engine.step()
+    assert calls, "the registered backend compiled nothing"
+    engine.close()
+    torch._dynamo.reset()  # else the graph compiled above is reused for the same code
+    calls.clear()
+    engine = zeroengine.initialize(tiny(), {"optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    engine.compile(backend=counting)
+    engine.backward(engine(torch.randn(2, 4)).square().mean())
+    engine.step()
+    assert calls, "the callable backend compiled nothing"
+    with pytest.raises(ValueError, match=r"backend = 'nope'"):
+        engine.compile(backend="nope")
+    engine.close()

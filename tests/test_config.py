@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_profiles import examples
 
 import zeroengine
 from zeroengine.config import ConfigError, parse_config, resolve_auto
@@ -117,7 +118,7 @@ def test_inconsistent_batch_sizes():
                                    "train_micro_batch_size_per_gpu": 3}), 2)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(mbs=st.integers(1, 16), gas=st.integers(1, 8), world=st.integers(1, 8),
        given_keys=st.sampled_from([("tbs", "mbs"), ("tbs", "gas"), ("mbs", "gas"),
                                    ("tbs", "mbs", "gas")]))

@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_profiles import examples
 
 from zeroengine.core.layout import FlatBuffer, FlatLayout
 from zeroengine.ops import flatten as flatten_ops
@@ -15,7 +16,7 @@ shapes_st = st.lists(st.lists(st.integers(0, 9), min_size=0, max_size=3), min_si
                      max_size=12)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(shapes=shapes_st, world=st.integers(1, 8), bucket=st.integers(1, 400),
        align=st.sampled_from([1, 4, 16]))
 def test_every_element_owned_exactly_once(shapes, world, bucket, align):
@@ -39,7 +40,7 @@ def test_every_element_owned_exactly_once(shapes, world, bucket, align):
         assert seg.used <= bucket or len(seg.params) == 1
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(shapes=shapes_st, world=st.integers(1, 8), bucket=st.integers(1, 400))
 def test_flat_buffer_views_round_trip(shapes, world, bucket):
     layout = FlatLayout(shapes, world, bucket)
@@ -61,7 +62,7 @@ def test_extension_is_built():
     assert flatten_ops.using_extension()
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(sizes=st.lists(st.integers(0, 70_000), min_size=0, max_size=6),
        dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64]),
        gap=st.integers(0, 5))
@@ -93,7 +94,7 @@ def test_layout_rejects_bad_world_size():
         FlatLayout([(3,)], 0, 10)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(units=st.lists(st.integers(0, 3), min_size=1, max_size=12), world=st.integers(1, 5),
        bucket=st.integers(1, 60))
 def test_segments_never_span_two_units(units, world, bucket):

@@ -13,8 +13,9 @@ import typing
 import pytest
 import torch
 import torch.nn as nn
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
+from hypothesis_profiles import examples
 
 from zeroengine.checkpoint.sharded import CheckpointError
 from zeroengine.config import Config, ConfigError, _unwrap_optional, parse_config
@@ -110,13 +111,24 @@ def _initialize_or_config_error(config: dict) -> str:
     return "ok"
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config=schema_configs())
+# every case hypothesis has found so far (kept here so that each run checks them):
+@example(config={"compile": {"enabled": True, "backend": ""}})  # torch's InvalidBackend
+@example(config={"compile": {"enabled": True, "backend": "inductor "}})
+@example(config={"tensorboard": {"enabled": True, "output_path": "", "job_name": ""}})
+@example(config={"csv_monitor": {"enabled": True, "output_path": "", "job_name": ""}})
+@example(config={"csv_monitor": {"enabled": True, "job_name": "a\x00b"}})  # makedirs' NUL
+@example(config={"zero_optimization": {"offload_optimizer": {  # created a directory
+    "device": "nvme", "nvme_path": "no_such_dir"}}})
+@example(config={"zero_optimization": {"stage": 0, "mics_shard_size": 2}})  # ValueError
+@example(config={"zero_optimization": {"stage": 1, "zero_hpz_partition_size": 2}})
+@example(config={"zero_optimization": {"stage": 1, "mics_shard_size": "auto"}})  # no launcher
 def test_configs_from_the_schema_initialise_or_raise_config_error(config):
     initialize_or_config_error(config)  # any other exception fails the test
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config=mutated_configs())
 def test_junk_configs_raise_only_config_error(config):
     try:
@@ -173,7 +185,7 @@ def reference_shapes(widths: list[int], world: int, steps: int = 3) -> dict:
     return model.state_dict()
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(6), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(widths=st.lists(st.integers(1, 13), min_size=2, max_size=4),
        world=st.sampled_from([2, 3]), stage=st.integers(0, 3))
 def test_random_shapes_and_world_sizes_match_plain_pytorch(widths, world, stage):
@@ -201,7 +213,7 @@ def saved_checkpoint(tmp_path_factory):
     return root, files
 
 
-@settings(max_examples=40, deadline=None,
+@settings(max_examples=examples(40), deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_corrupted_checkpoint_files_are_refused_by_name(saved_checkpoint, tmp_path_factory,

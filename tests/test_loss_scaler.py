@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_profiles import examples
 
 from zeroengine.config import parse_config
 from zeroengine.core.precision import LossScaleFloorError, LossScaler
@@ -82,7 +83,7 @@ def test_state_dict_round_trip():
         t.load_state_dict({"bogus": 1})
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(events=st.lists(st.booleans(), max_size=60), hysteresis=st.integers(1, 4),
        window=st.integers(1, 5))
 def test_scale_stays_a_power_of_two_at_or_above_floor(events, hysteresis, window):

@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_profiles import examples
 from models import max_relative_error, train_engine
 
 import zeroengine
@@ -151,7 +152,7 @@ OPS = st.lists(st.tuples(st.sampled_from(["read", "write", "ahead", "flush"]),
                min_size=1, max_size=40)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(ops=OPS, max_in_cpu=st.sampled_from([0, 1500, 4000, 10_000]),
        read_ahead=st.sampled_from([0, 2000, 10_000]), held=st.booleans())
 def test_every_read_sees_the_last_values_written(tmp_path_factory, ops, max_in_cpu, read_ahead,

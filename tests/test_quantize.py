@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_profiles import examples
 
 from zeroengine.ops import quantize as qz
 
@@ -25,7 +26,7 @@ def test_kernel_is_built():
     assert qz.using_extension()
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(n=st.integers(0, 3000), block=st.sampled_from([1, 7, 64, 256]),
        dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
        scale=st.sampled_from([0.0, 1e-30, 1e-3, 1.0, 1e4]), seed=st.integers(0, 2**16))

@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_profiles import examples
 from models import (
     batch,
     fp32_muon,
@@ -148,7 +149,7 @@ def test_probe_leaves_the_random_stream_alone():
 
 
 # -- the owner partition -----------------------------------------------------------------------
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(shapes=st.lists(st.lists(st.integers(1, 9), min_size=1, max_size=3), min_size=1,
                        max_size=12),
        world=st.integers(1, 5), bucket=st.integers(1, 200))

@@ -16,6 +16,7 @@ import torch.nn as nn
 from ._version import __version__
 from .config import Config, ConfigError, model_hidden_size, parse_config, resolve_auto, to_dict
 from .config_policy import notice
+from .core.compiled import check_compile_args
 from .core.drop_in import install as _install_drop_in
 from .core.engine import ZeroEngine
 from .core.gathered import gathered_parameters
@@ -122,6 +123,8 @@ def initialize(model: nn.Module, config, optimizer: torch.optim.Optimizer | None
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     cfg = parse_config(config)  # all validation that needs no peers happens before any collective
+    if cfg.compile.on:
+        check_compile_args(cfg.compile.backend, cfg.compile.kwargs)
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("the model has no trainable parameters (requires_grad=True); nothing "
                          "to train")

@@ -25,11 +25,15 @@ dicts of compiled and eager runs are interchangeable.
 """
 from __future__ import annotations
 
+import difflib
 import functools
+import inspect
 import sys
 
 import torch
 import torch.nn as nn
+
+from ..config import ConfigError
 
 
 def _optimized_module_class():
@@ -57,6 +61,83 @@ def compile_forward(module: nn.Module, *args, **kwargs) -> None:
     if is_compiled(module):
         return  # compiled already (torch.compile before initialize, or a second call)
     module.forward = torch.compile(type(module).forward.__get__(module), *args, **kwargs)
+
+
+def _known_backends() -> list[str]:
+    """Every backend name torch.compile accepts here: built-in ones of every tag (debug and
+    experimental included), ones registered with register_backend, and entry points."""
+    from torch._dynamo import list_backends
+    return sorted(list_backends(exclude_tags=()))
+
+
+def _offered(known: list[str]) -> str:
+    return ", ".join(k for k in known if "TESTING_ONLY" not in k)
+
+
+def _did_you_mean(value: str, known: list[str]) -> str:
+    close = [k for k in known if k == value.strip()] or \
+        difflib.get_close_matches(value.strip(), known, n=2, cutoff=0.6)
+    return f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+
+
+# torch.compile's arguments whose JSON value must be a bool (a string "false" is truthy)
+_BOOL_ARGS = ("fullgraph", "disable", "isolate_recompiles")
+
+
+def check_compile_args(backend, kwargs: dict | None, where: str = "compile") -> None:
+    """Refuse, naming the key, a compile setting torch would refuse later or silently misread:
+    an unknown backend name (with the backends torch offers), a keyword torch.compile does not
+    take, a mode or an inductor option it does not know. ``where``: the config section
+    ("compile") or "engine.compile" for the method's arguments. A callable backend, or a name
+    the user registered (torch._dynamo.register_backend, entry points), passes."""
+    kwargs = dict(kwargs or {})
+    key = f"{where}.backend" if where == "compile" else "backend"
+    if not callable(backend):
+        if not isinstance(backend, str):
+            raise ConfigError(f"{key} = {backend!r}: a backend name (a string) or a callable")
+        known = _known_backends()
+        if backend not in known:
+            raise ConfigError(
+                f"{key} = {backend!r} is not a torch.compile backend"
+                f"{_did_you_mean(backend, known)}; torch {torch.__version__} offers: "
+                f"{_offered(known)}. A custom backend: register it with "
+                "torch._dynamo.register_backend before initialize")
+    extra = f"{where}.kwargs" if where == "compile" else "compile_kwargs"
+    accepted = [n for n in inspect.signature(torch.compile).parameters
+                if n not in ("model", "backend")]
+    for name, value in kwargs.items():
+        if name == "backend":
+            raise ConfigError(f"{extra} has 'backend': give it as {key} instead")
+        if name not in accepted:
+            raise ConfigError(f"{extra}.{name}: torch.compile takes no such argument"
+                              f"{_did_you_mean(str(name), accepted)}; it takes "
+                              f"{', '.join(accepted)}")
+        if name in _BOOL_ARGS and not isinstance(value, bool):
+            raise ConfigError(f"{extra}.{name} = {value!r}: true or false")
+        if name == "dynamic" and value is not None and not isinstance(value, bool):
+            raise ConfigError(f"{extra}.dynamic = {value!r}: true, false or null")
+    options = kwargs.get("options")
+    if backend == "inductor" and isinstance(options, dict):
+        from torch._inductor import list_options
+        known_options = list_options()
+        for name in options:
+            if name not in known_options:
+                raise ConfigError(f"{extra}.options.{name}: not an inductor option"
+                                  f"{_did_you_mean(str(name), known_options)} (all of them: "
+                                  "torch._inductor.list_options())")
+    # mode and options are the backend's; torch checks inductor's when torch.compile is called
+    # (this compiles nothing): its message, under the key that holds the value
+    if backend == "inductor" and ("mode" in kwargs or "options" in kwargs):
+        try:
+            torch.compile(_nothing, backend=backend,
+                          **{k: kwargs[k] for k in ("mode", "options") if k in kwargs})
+        except Exception as e:  # torch raises RuntimeError/AssertionError/TypeError here
+            names = " and ".join(f"{extra}.{k}" for k in ("mode", "options") if k in kwargs)
+            raise ConfigError(f"{names}: {e}") from None
+
+
+def _nothing(x):
+    return x
 
 
 def install(module: nn.Module) -> None:

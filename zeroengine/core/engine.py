@@ -349,6 +349,7 @@ class ZeroEngine:
                              "as backward produces each gradient, outside any graph; compiled "
                              "autograd is not supported (the forward's backward is compiled "
                              "through AOTAutograd without it)")
+        compiled.check_compile_args(backend, compile_kwargs, where="engine.compile")
         compiled.compile_forward(self.module, backend=backend, **(compile_kwargs or {}))
 
     @property
