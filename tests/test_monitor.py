@@ -92,7 +92,7 @@ def test_monitor_off_writes_nothing_and_costs_nothing(single_process, tmp_path):
                                            "csv_monitor": {"enabled": False,
                                                            "output_path": str(tmp_path)}})
     engine.backward(engine(torch.randn(2, 3)).sum())
-    assert not engine.monitor.enabled and engine._loss_sum is None
+    assert not engine.monitor.enabled and engine.clock._loss_sum is None
     engine.step()
     engine.close()
     assert list(tmp_path.iterdir()) == []

@@ -65,7 +65,7 @@ def train_two_steps(name: str):
         return "refused", str(err)
     losses = []
     g = torch.Generator().manual_seed(engine.comm.rank)
-    for _ in range(2 * engine.gradient_accumulation_steps):
+    for _ in range(2 * engine.gradient_accumulation_steps()):
         x = torch.randn(4, 16, generator=g).to(engine.precision.compute)
         loss = engine(x).float().square().mean()
         engine.backward(loss)

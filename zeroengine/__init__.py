@@ -144,6 +144,7 @@ def initialize(model: nn.Module, config, optimizer: torch.optim.Optimizer | None
                       stacklevel=2)
     model.to(device)
     optimizer = _prepare_optimizer(model, cfg, optimizer)
+    from_config = lr_scheduler is None and cfg.scheduler is not None
     if lr_scheduler is None:
         lr_scheduler = scheduler_from_config(cfg.scheduler, optimizer)
     else:
@@ -169,7 +170,8 @@ def initialize(model: nn.Module, config, optimizer: torch.optim.Optimizer | None
                             "zero_optimization.zero_hpz_partition_size": hpz_size,
                             "ranks per node (LOCAL_WORLD_SIZE, for qgZ)": per_node or 0})
     engine = ZeroEngine(model, optimizer, cfg, comm, device, lr_scheduler,
-                        topology=build_topology(comm, shard_size, hpz_size, per_node))
+                        topology=build_topology(comm, shard_size, hpz_size, per_node),
+                        scheduler_from_config=from_config, local_rank=env.local_rank)
     if cfg.compile.on:
         engine.compile(cfg.compile.backend, cfg.compile.kwargs)
     return engine

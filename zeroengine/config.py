@@ -376,8 +376,11 @@ class Config:
         "compute dtype, which halves the bytes of a bf16/fp16 run and is what the ZeRO paper's "
         "memory and traffic figures assume; 'fp32' sums more accurately over many ranks.",
         choices=("fp32", "bf16", "fp16"), deprecated_values={"bfp16": "bf16"})
-    wall_clock_breakdown: bool = option(False, "DeepSpeed timers.", no_effect="use "
-                                        "benchmarks/step_bench.py and engine.comm_report()")
+    wall_clock_breakdown: bool = option(
+        False, "Every steps_per_print optimizer steps rank 0 also logs the mean forward, "
+        "backward and optimizer-step milliseconds per step (on CUDA the device is synchronised "
+        "at each mark, as DeepSpeed's timers do, which costs some overlap). In a loop of "
+        "loss.backward() the backward is timed from the end of the forward.")
     job: dict = option({}, "The built-in `zeroengine train` job: model size, steps, evaluation, "
                        "run name (not a DeepSpeed key; initialize() ignores it). Its keys are "
                        "checked by the job itself: see docs/job.md.")

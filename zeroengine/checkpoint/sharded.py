@@ -232,8 +232,7 @@ def _meta(engine, names, groups_meta, files, tag) -> dict:
         "format": fmt.FORMAT_VERSION, "zeroengine": __version__, "tag": tag,
         "stage": engine.stage, "world_size": engine.comm.world_size,
         "shard_group_size": engine.topology.shard.world_size,
-        "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
-        "optimizer_steps": opt.steps, "skipped_steps": opt.skipped_steps,
+        **engine.clock.state(), "optimizer_steps": opt.steps,
         "loss_scaler": _jsonable(scaler.state_dict()) if scaler is not None else None,
         "optimizer": {"class": opt.base_class.__name__,
                       "inner_class": opt.inner_name,
@@ -283,10 +282,8 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, *,
     if load_module_only:
         return path, extras.get("client_state")
     opt = engine.optimizer
-    engine.global_steps = meta["global_steps"]
-    engine.micro_steps = meta["micro_steps"]
+    engine.clock.load(meta)
     opt.steps = meta["optimizer_steps"]
-    opt.skipped_steps = meta["skipped_steps"]
     if opt.loss_scaler is not None and meta["loss_scaler"] is not None:
         opt.loss_scaler.load_state_dict(meta["loss_scaler"])
     if load_states:

@@ -154,12 +154,14 @@ class ForwardGuard:
     as DDP does (``broadcast_buffers``)."""
 
     def __init__(self, module: torch.nn.Module, flat_groups, broadcast=None,
-                 check_ranks=None, split: BucketSplit | None = None):
+                 check_ranks=None, split: BucketSplit | None = None, clock=None):
         """``broadcast(tensors)``: sends rank 0's values of the tensors to every rank, or None
         to leave buffers alone. ``check_ranks()``: a collective check that every rank starts
         the same kind of forward (stage 3, where every forward is collective), run first.
-        ``split``: cuts a compiled forward's graph at gradient buckets (compiled.BucketSplit)."""
+        ``split``: cuts a compiled forward's graph at gradient buckets (compiled.BucketSplit).
+        ``clock``: the step clock, whose wall_clock_breakdown times the outermost forward."""
         self.module = module
+        self.timers = clock.timers if clock is not None else None
         self.split = split
         self.splitting = False
         self.broadcast = broadcast
@@ -185,6 +187,8 @@ class ForwardGuard:
 
     def _leave(self, module, args, output) -> None:
         self.depth = max(0, self.depth - 1)
+        if self.depth == 0 and self.timers is not None:
+            self.timers.stop("forward")
         if self.depth == 0 and self.splitting:
             self.split.leave()
             self.splitting = False
@@ -193,6 +197,8 @@ class ForwardGuard:
         self.depth += 1
         if self.depth > 1:
             return
+        if self.timers is not None:
+            self.timers.start("forward")
         self.refuse_outer_ddp()
         self.check_parameters()
         if self.check_ranks is not None:

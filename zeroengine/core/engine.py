@@ -27,7 +27,6 @@ One training step, in order (the file and function where each happens):
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 
 import torch
@@ -41,6 +40,7 @@ from ..ops.quantize import DEFAULT_BLOCK as QUANT_BLOCK
 from . import compiled, gathered
 from .compiled import uncompiled
 from .drop_in import ForwardGuard, redirect_optimizer, register_parameters, unregister_parameters
+from .engine_queries import EngineQueries
 from .grad_reducer import GradReducer, ReduceSettings
 from .optimizer_offload import OptimizerOffload
 from .param_fetcher import ParamFetcher, auto_window
@@ -48,33 +48,34 @@ from .param_layout import lay_out_parameters, report_persistence
 from .precision import LossScaler, Precision
 from .sharded_optimizer import ShardedOptimizer, StepSettings
 from .sharding import Sharding
+from .step_clock import StepClock
 from .zero_init import is_sharded
 
-logger = logging.getLogger("zeroengine")
-
-
-class ZeroEngine:
+class ZeroEngine(EngineQueries):
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, config: Config,
                  comm: Comm, device: torch.device, lr_scheduler=None,
-                 topology: Topology | None = None):
+                 topology: Topology | None = None, scheduler_from_config: bool = False,
+                 local_rank: int = 0):
+        """``lr_scheduler``: the config's (``scheduler_from_config``) or the user's; the step
+        clock decides when it steps (step_clock.py)."""
         self.module = module
         self.config = config
         self.comm = comm
         # hybrid sharding: states sharded over topology.shard, replicated across groups
         self.topology = topology or Topology.plain(comm)
+        self._local_rank = local_rank  # the launcher's LOCAL_RANK
         shard = self.topology.shard
         self.device = device
         self.stage = config.zero_optimization.stage
         self.sharding = Sharding.of_stage(self.stage)
-        self.gradient_accumulation_steps = config.gradient_accumulation_steps
-        self.global_steps = 0
-        self.micro_steps = 0
-        self._backward_done = False  # engine.backward() ran for the current micro-step
+        self.accumulation_steps = config.gradient_accumulation_steps
         self._cast_inputs = torch.float16 if config.fp16.enabled and config.fp16.auto_cast \
             else None
         self.monitor = Monitor.from_config(config, comm.rank)
-        self._loss_sum: torch.Tensor | None = None  # this step's micro-step losses (monitor)
-        self._loss_count = 0
+        # the counters, the scheduler, the monitor rows and the progress log: one owner that
+        # every way of completing an optimizer step reports to
+        self.clock = StepClock(config=config, rank=comm.rank, monitor=self.monitor,
+                               sync=torch.cuda.synchronize if device.type == "cuda" else None)
         zero = config.zero_optimization
         self.precision = Precision.from_config(config)
         # "nvme": offloaded as to "cpu", then the host master and state go to the drive
@@ -121,7 +122,7 @@ class ZeroEngine:
         scaler = LossScaler.from_config(config.fp16) if config.fp16.enabled else None
         self.reducer = GradReducer(
             self.flat_groups, shard, self.sharding, ReduceSettings(
-                self.gradient_accumulation_steps, zero.overlap_comm, zero.reduce_scatter,
+                self.accumulation_steps, zero.overlap_comm, zero.reduce_scatter,
                 reduce_dtype, loss_scaled=scaler is not None,
                 quantize_block=QUANT_BLOCK if zero.zero_quantized_gradients else 0),
             param_order=order, fetcher=self.fetcher, offload=self.offload,
@@ -134,7 +135,8 @@ class ZeroEngine:
                                   zero.sub_group_size, config.on_nonfinite),
             loss_scaler=scaler, offload=self.offload, fetcher=self.fetcher,
             param_names={id(p): n for n, p in uncompiled(module).named_parameters()},
-            swap=swap)
+            swap=swap, clock=self.clock)
+        self.clock.bind(self.optimizer)
         gathered.register(self.flat_groups, comm, self.fetcher)
         # the loop the user already has keeps working: their optimizer object and torch's
         # clip_grad_norm_ reach the sharded step (drop_in.py)
@@ -145,9 +147,11 @@ class ZeroEngine:
             module, self.flat_groups, self._broadcast_buffers if broadcast else None,
             check_ranks=self.fetcher.check_forward_start
             if self.fetcher is not None and self.fetcher.check_ranks else None,
-            split=self._bucket_split(config, comm, device))
+            split=self._bucket_split(config, comm, device), clock=self.clock)
+        if self.clock.timers is not None:
+            self.reducer.on_backward_end = self.clock.timers.backward_pass_ended
         compiled.install(module)  # module.compile() compiles forward, keeping our hooks eager
-        self.lr_scheduler = lr_scheduler
+        self.clock.set_scheduler(lr_scheduler, scheduler_from_config)
         # a scheduler over the optimizer given now drives the engine's (the same group dicts);
         # one over a member of a list given keeps driving just that member's groups
         members = getattr(optimizer, "optimizers", ())
@@ -256,7 +260,7 @@ class ZeroEngine:
         override = self.reducer.state.boundary_override  # set_gradient_accumulation_boundary
         if override is not None:
             return override
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+        return (self.micro_steps + 1) % self.accumulation_steps == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
         """DeepSpeed's: say whether the coming micro-step (its backward and step()) ends an
@@ -264,70 +268,54 @@ class ZeroEngine:
         group of an epoch is shorter. None: count again."""
         self.reducer.state.boundary_override = is_boundary  # read by the reducer and step()
 
-    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> None:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False,
+                 scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of one micro-step's loss, averaged over the accumulation steps, so the
         applied gradient is the mean over ranks and micro-steps (DeepSpeed's semantics).
         ``scale_wrt_gas=False`` (DeepSpeed's argument): the caller divided the loss already
-        (the Hugging Face Trainer does)."""
-        if self._backward_done:
+        (the Hugging Face Trainer does). Returns the loss divided by the accumulation steps
+        (unscaled by fp16's loss scale), as DeepSpeed's does."""
+        if self.clock.backward_pending:
             raise RuntimeError(
                 f"engine.backward() called twice for micro-step {self.micro_steps + 1} without "
                 "engine.step() in between: each micro-step is one backward and one step() "
                 f"(step() only updates every gradient_accumulation_steps="
-                f"{self.gradient_accumulation_steps} micro-steps); for several losses of one "
+                f"{self.accumulation_steps} micro-steps); for several losses of one "
                 "micro-step, add them and call backward once")
-        if self.monitor.enabled:  # summed on the device: no host sync per micro-step
-            value = loss.detach().float()
-            self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
-            self._loss_count += 1
+        self.clock.record_loss(loss)
         compiled.check_compiled_autograd()
-        factor = self.loss_scale / (self.gradient_accumulation_steps if scale_wrt_gas else 1)
+        gas_scaled = loss / self.accumulation_steps if scale_wrt_gas else loss
+        factor = self.loss_scale / (self.accumulation_steps if scale_wrt_gas else 1)
         if factor != 1.0:
             # fp16: scaled in fp32, since loss x 2**16 overflows fp16 itself.
             loss = loss.float() * factor
-        with self.reducer.scaled_backward():
-            loss.backward()
-        self._backward_done = True
+        with self.reducer.scaled_backward(), self.clock.timing("backward"):
+            loss.backward(retain_graph=retain_graph)
+        self.clock.backward_pending = True
+        return gas_scaled.detach()
 
-    def step(self) -> None:
-        """Count a micro-step; at an accumulation boundary update, clear grads, step the
-        scheduler."""
-        if not self._backward_done:
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """Count a micro-step; at an accumulation boundary update and clear the gradients. The
+        step clock (step_clock.py) counts the step and steps the scheduler, as it does for an
+        optimizer step taken any other way. ``lr_kwargs`` (DeepSpeed's): keyword arguments of
+        the scheduler's step() at this step."""
+        clock = self.clock
+        if not clock.backward_pending:
+            if self.reducer.backward_count == self.optimizer.stepped_at_backward and \
+                    self.optimizer.steps:
+                with clock.engine_step():  # optimizer.step() stepped this backward already
+                    clock.check_step(0)
             raise RuntimeError(
                 f"engine.step() called for micro-step {self.micro_steps + 1} without "
                 "engine.backward(loss) before it: stepping would apply stale or zero gradients "
                 "(Adam would still move the weights). Call engine.backward(loss), then step()")
-        self._backward_done = False
         boundary = self.is_gradient_accumulation_boundary()
-        self.micro_steps += 1
+        clock.engine_micro_step(boundary)
         if not boundary:
             return
-        skipped_before = self.optimizer.skipped_steps
-        self.optimizer.step()
+        with clock.engine_step(lr_kwargs):
+            self.optimizer.step()
         self.optimizer.zero_grad()
-        self.global_steps += 1
-        # A step skipped for overflow does not advance the schedule (as in DeepSpeed).
-        if self.lr_scheduler is not None and self.optimizer.skipped_steps == skipped_before:
-            self.lr_scheduler.step()
-        every = self.config.steps_per_print
-        if every and self.global_steps % every == 0 and self.comm.rank == 0:
-            _log_progress(self)
-        if self.monitor.enabled:
-            self._write_monitor_events()
-
-    def _write_monitor_events(self) -> None:
-        """DeepSpeed's per-step events (monitor.py) against the samples seen so far (the
-        optimizer steps when no batch size was configured)."""
-        batch = self.config.train_batch_size
-        x = self.global_steps * batch if batch else self.global_steps
-        events = [("Train/Samples/lr", float(self.optimizer.param_groups[0]["lr"]), x)]
-        if self._loss_sum is not None:
-            loss = self._loss_sum.item() / self._loss_count
-            events.insert(0, ("Train/Samples/train_loss", loss, x))
-            self._loss_sum, self._loss_count = None, 0
-        if self.config.fp16.enabled:
-            events.append(("Train/Samples/loss_scale", float(self.loss_scale), x))
-        self.monitor.write(events)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -375,9 +363,26 @@ class ZeroEngine:
         scaler = self.optimizer.loss_scaler
         return scaler.scale if scaler is not None else 1.0
 
+    # the step clock's counters and scheduler (step_clock.py), under DeepSpeed's names
+    @property
+    def global_steps(self) -> int:
+        return self.clock.global_steps
+
+    @property
+    def global_samples(self) -> int:
+        return self.clock.global_samples
+
+    @property
+    def micro_steps(self) -> int:
+        return self.clock.micro_steps
+
     @property
     def skipped_steps(self) -> int:
-        return self.optimizer.skipped_steps
+        return self.clock.skipped_steps
+
+    @property
+    def lr_scheduler(self):
+        return self.clock.scheduler
 
     def get_global_grad_norm(self) -> float | None:
         """Norm of the (unclipped) gradient applied at the last step, over all ranks."""
@@ -478,20 +483,6 @@ class ZeroEngine:
                 value = value.float() if value.is_floating_point() else value
             out[name] = value.clone().cpu()
         return out
-
-
-def _log_progress(engine: ZeroEngine) -> None:
-    """Rank 0, every steps_per_print optimizer steps, as DeepSpeed's engine logs them."""
-    if not logger.handlers and not logging.getLogger().handlers:
-        # nothing configured to show INFO: say it on stderr, as DeepSpeed's own logger does
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("[zeroengine] %(message)s"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-    lrs = [group["lr"] for group in engine.optimizer.param_groups]
-    logger.info("step=%d, skipped=%d, lr=%s, loss_scale=%g", engine.global_steps,
-                engine.skipped_steps, [float(f"{float(lr):.6g}") for lr in lrs],
-                engine.loss_scale)
 
 
 def _cast_floating(value, dtype: torch.dtype):

@@ -145,6 +145,7 @@ class GradReducer:
             for g in groups]
         self.state = ReductionState(owned_valid=[False] * len(groups))
         self.backward_count = 0  # backwards ever finished (never reset)
+        self.on_backward_end = None  # called after each backward pass (wall_clock_breakdown)
         self._hooks = []
         for g in groups:
             for p in g.params:
@@ -262,6 +263,8 @@ class GradReducer:
         st.in_backward = False
         if self.fetcher is not None:
             self.fetcher.end_of_pass()
+        if self.on_backward_end is not None:
+            self.on_backward_end()
 
     def _reduce_all(self) -> None:
         """Launch every bucket not yet launched, in order, then wait for all of them."""

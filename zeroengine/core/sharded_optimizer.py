@@ -72,7 +72,8 @@ class ShardedOptimizer(ShardStateIO, torch.optim.Optimizer):
     def __init__(self, base: torch.optim.Optimizer, flat_groups: list[FlatParamGroup],
                  reducer: GradReducer, comm: Comm, *, sharding: Sharding, settings: StepSettings,
                  loss_scaler: LossScaler | None = None, offload: OptimizerOffload | None = None,
-                 fetcher=None, param_names: dict[int, str] | None = None, swap=None):
+                 fetcher=None, param_names: dict[int, str] | None = None, swap=None,
+                 clock):
         """Collaborators: ``reducer`` makes the gradients final, ``offload`` (optional) holds
         the step's host buffers, ``fetcher`` (stage 3) refreshes segments gathered across the
         step. ``swap`` (NVMe offload): the OptimizerSwap holding the masters on the drive; the
@@ -90,7 +91,8 @@ class ShardedOptimizer(ShardStateIO, torch.optim.Optimizer):
         self.last_grad_norm: float | None = None
         self.loss_scaler = loss_scaler
         self.param_names = param_names or {}  # id(param) -> name, for messages
-        self.skipped_steps = 0
+        # every completed step is reported to the clock, which counts it (step_clock.py)
+        self.clock = clock
         self.steps = 0
         self.stepped_at_backward = -1  # reducer.backward_count at the last step
         # torch.nn.utils.clip_grad_norm_ called by the user's loop: (max_norm, norm, backward
@@ -254,21 +256,33 @@ class ShardedOptimizer(ShardStateIO, torch.optim.Optimizer):
             raise ValueError("ShardedOptimizer.step() takes no closure: run forward and "
                              "backward first, then call step()")
         self._opt_called = True  # what torch's lr schedulers check (see _wrapped_by_lr_sched)
+        backwards = self.reducer.backward_count - max(self.stepped_at_backward, 0)
+        self.clock.check_step(backwards)
         self.comm.step = self.steps + 1  # for messages: the step whose collectives these are
         self.reducer.flush()
         self.steps += 1
         self.stepped_at_backward = self.reducer.backward_count
         try:
-            self._step()
+            applied = self._step()
         finally:
             if self.swap is not None:
                 self.swap.finish()
             if self.offload is not None:
                 self.offload.finish_step()
             self.comm.step = self.steps + 1  # the next backward's collectives belong to it
+        self.clock.optimizer_stepped(applied, backwards)
         return None
 
-    def _step(self) -> None:
+    @property
+    def skipped_steps(self) -> int:
+        return self.clock.skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self.clock.skipped_steps = value
+
+    def _step(self) -> bool:
+        """The update; False when the step is skipped (fp16 overflow, on_nonfinite 'skip')."""
         user_clip, self._user_clip = self._user_clip, None
         if user_clip is not None and user_clip[2] != self.reducer.backwards_since_step:
             raise RuntimeError("clip_grad_norm_ was called, then another backward ran before "
@@ -289,16 +303,14 @@ class ShardedOptimizer(ShardStateIO, torch.optim.Optimizer):
                             old_scale, self.loss_scaler.scale, self.steps,
                             self.skipped_steps + overflow)
             if overflow:
-                self.skipped_steps += 1
-                return
+                return False  # the clock counts it skipped
         elif not math.isfinite(norm):
             if self.settings.on_nonfinite == "skip":
-                self.skipped_steps += 1
                 if self.comm.rank == 0:
                     logger.warning("step %d skipped: a gradient is not finite (on_nonfinite="
                                    "'skip'; %d steps skipped so far)", self.steps,
-                                   self.skipped_steps)
-                return
+                                   self.skipped_steps + 1)
+                return False
             raise NonFiniteGradientError(self._nonfinite_message(grads))
         coef = 1.0 / scale
         if user_clip is not None:  # the user's loop called clip_grad_norm_ before step()
@@ -337,6 +349,7 @@ class ShardedOptimizer(ShardStateIO, torch.optim.Optimizer):
             if self.offload is not None:
                 self.offload.finish_step()  # refreshed segments read the updated chunks
             self.fetcher.refresh_gathered()
+        return True
 
     def _step_entries(self, part: InnerPart, entries, grads, coef: float) -> set:
         """Step ``part`` (elementwise) over ``entries`` ((flat group, segment) pairs). Returns
@@ -556,3 +569,4 @@ class ShardedOptimizer(ShardStateIO, torch.optim.Optimizer):
                 if torch.is_tensor(value):
                     total += value.numel() * value.element_size()
         return total
+

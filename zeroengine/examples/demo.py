@@ -33,7 +33,7 @@ def main() -> None:
               f"world size {world}, micro batch {micro}x{cfg.context} bytes")
     start = time.perf_counter()
     for step in range(steps):
-        for _ in range(engine.gradient_accumulation_steps):
+        for _ in range(engine.gradient_accumulation_steps()):
             idx = torch.randint(0, len(data) - cfg.context - 1, (micro,), generator=gen)
             window = torch.stack([data[i:i + cfg.context + 1] for i in idx]).to(engine.device)
             loss = model.loss(window[:, :-1], window[:, 1:])

@@ -191,7 +191,7 @@ def run(config_path: str, resume: bool = False, steps: int | None = None,
     engine = zeroengine.initialize(model, cfg)
     rank, world = engine.comm.rank, engine.comm.world_size
     micro = engine.config.train_micro_batch_size_per_gpu or 8
-    accumulation = engine.gradient_accumulation_steps
+    accumulation = engine.gradient_accumulation_steps()
     ckpt_dir = str(run_dir / "checkpoints")
     if resume:
         path, _ = engine.load_checkpoint(ckpt_dir, missing_ok=True)
