@@ -5,6 +5,8 @@ PY     := $(VENV)/bin/python
 # Pinned: a bare `torch` would pull a multi-GB CUDA build. Override where another torch is
 # preinstalled, e.g. `make test TORCH=` to keep it.
 TORCH  ?= torch==2.13.0
+# DeepSpeed itself, run beside zeroengine.deepspeed by the tests (tests/test_ds_scripts.py) on CPU
+DEEPSPEED ?= deepspeed==0.19.8
 STAMP  := $(VENV)/.installed-$(subst =,_,$(TORCH))
 SOURCES := setup.py $(wildcard csrc/*/*.cpp csrc/*/*.cu csrc/*/*.cuh csrc/*/*.h)
 
@@ -16,6 +18,8 @@ $(STAMP): $(SOURCES)
 	$(PY) -m pip install -q $(TORCH) numpy pytest hypothesis ninja psutil
 	# the optional integrations the tests cover: Ray Train, transformers (+ accelerate for its Trainer), Lightning, fastai, Keras 3, TensorBoard
 	$(PY) -m pip install -q $(TORCH) "ray[train]" "transformers>=5,<6" accelerate "lightning>=2.2,<3" "fastai>=2.7,<3" "keras>=3,<4" tensorboard
+	# the peer the DeepSpeed API is tested against (torch pinned in the same command)
+	$(PY) -m pip install -q $(TORCH) $(DEEPSPEED)
 	# fastai depends on torchvision, and the only torchvision this machine's index holds for
 	# torch 2.13 is the CUDA build, which does not load against the CPU torch (and Lightning
 	# imports torchvision whenever it is installed). zeroengine's fastai integration does not use it.
@@ -43,7 +47,6 @@ bench: setup
 # Side by side with DeepSpeed (the `bench` extra, torch pinned in the same command), FSDP2,
 # ZeroRedundancyOptimizer and DDP; ~30 minutes on 2 cores.
 compare: setup
-	$(PY) -m pip install -q $(TORCH) deepspeed
 	DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 $(PY) benchmarks/compare.py --json bench_out/compare.json
 
 docs: setup

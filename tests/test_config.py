@@ -15,7 +15,7 @@ import zeroengine
 from zeroengine.config import ConfigError, parse_config, resolve_auto
 from zeroengine.config_reference import reference_markdown
 from zeroengine.core.optimizer_factory import optimizer_from_config
-from zeroengine.core.schedulers import WarmupDecayLR, WarmupLR, scheduler_from_config
+from zeroengine.core.schedulers import WarmupLR, scheduler_from_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -168,12 +168,17 @@ def test_deepspeed_adam_means_decoupled_decay_unless_told():
 
 
 def test_deepspeed_adam_defaults_and_switches():
-    """DeepSpeed's Adam/AdamW default weight_decay is 0.0 (torch's AdamW: 0.01);
-    torch_adam and bias_correction (true) are DeepSpeed switches, accepted."""
+    """DeepSpeed's Adam/AdamW default weight_decay is its FusedAdam's, 0.0; with torch_adam
+    DeepSpeed builds torch's class with the section's params, so torch's default holds (AdamW:
+    0.01; tests/test_ds_scripts.py runs DeepSpeed beside us). bias_correction (true) is
+    accepted."""
     for kind in ("Adam", "AdamW"):
-        opt = _opt({"type": kind, "params": {"lr": 1e-3, "torch_adam": True,
-                                             "bias_correction": True}})
+        opt = _opt({"type": kind, "params": {"lr": 1e-3, "bias_correction": True}})
         assert type(opt) is torch.optim.AdamW and opt.defaults["weight_decay"] == 0.0
+        opt = _opt({"type": kind, "params": {"lr": 1e-3, "torch_adam": True}})
+        assert type(opt) is torch.optim.AdamW and opt.defaults["weight_decay"] == 0.01
+    opt = _opt({"type": "Adam", "params": {"torch_adam": True, "adam_w_mode": False}})
+    assert type(opt) is torch.optim.Adam and opt.defaults["weight_decay"] == 0.0
     assert _opt({"type": "AdamW", "params": {"weight_decay": 0.1}}).defaults["weight_decay"] \
         == 0.1
     assert _opt({"type": "SGD", "params": {"lr": 0.1}}).defaults["weight_decay"] == 0
@@ -231,28 +236,43 @@ def test_bad_optimizer_sections(section, fragment):
         _opt(section)
 
 
-def test_warmup_schedulers_follow_deepspeed():
-    p = torch.nn.Parameter(torch.zeros(1))
-    opt = torch.optim.SGD([p], lr=1.0)
-    sched = scheduler_from_config(parse_config({"scheduler": {"type": "WarmupLR", "params": {
-        "warmup_min_lr": 0.0, "warmup_max_lr": 0.1, "warmup_num_steps": 4,
-        "warmup_type": "linear"}}}).scheduler, opt)
-    assert isinstance(sched, WarmupLR)
-    lrs = []
-    for _ in range(6):
-        lrs.append(opt.param_groups[0]["lr"])
-        opt.step()
-        sched.step()
-    assert lrs == pytest.approx([0.0, 0.025, 0.05, 0.075, 0.1, 0.1])
-    opt = torch.optim.SGD([p], lr=1.0)
-    decay = WarmupDecayLR(opt, total_num_steps=6, warmup_max_lr=0.1, warmup_num_steps=2,
-                          warmup_type="linear")
-    lrs = []
-    for _ in range(7):
-        lrs.append(opt.param_groups[0]["lr"])
-        opt.step()
-        decay.step()
-    assert lrs == pytest.approx([0.0, 0.05, 0.1, 0.075, 0.05, 0.025, 0.0])
+SCHEDULES = [
+    ("WarmupLR", {"warmup_min_lr": 0.0, "warmup_max_lr": 0.1, "warmup_num_steps": 4,
+                  "warmup_type": "linear"}),
+    ("WarmupLR", {"warmup_min_lr": 0.01, "warmup_max_lr": 0.1, "warmup_num_steps": 5}),
+    ("WarmupLR", {"warmup_num_steps": 3}),  # max: the optimizer's lr
+    ("WarmupDecayLR", {"total_num_steps": 6, "warmup_max_lr": 0.1, "warmup_num_steps": 2,
+                       "warmup_type": "linear"}),
+    ("WarmupDecayLR", {"total_num_steps": 9, "warmup_min_lr": 0.001, "warmup_max_lr": 0.1,
+                       "warmup_num_steps": 3}),
+    ("WarmupCosineLR", {"total_num_steps": 8, "warmup_num_steps": 3}),
+    ("WarmupCosineLR", {"total_num_steps": 6, "warmup_min_ratio": 0.1, "warmup_num_steps": 2,
+                        "cos_min_ratio": 0.01, "warmup_type": "linear"}),
+]
+
+
+@pytest.mark.parametrize("kind,params", SCHEDULES)
+def test_warmup_schedulers_equal_deepspeeds_own(monkeypatch, kind, params):
+    """The lr of every step is what DeepSpeed's own scheduler class gives (DeepSpeed is a test
+    dependency): its iteration starts at -1, so the start lr holds for two steps."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    from deepspeed.runtime import lr_schedules
+
+    def lrs(make, steps=10):
+        p = torch.nn.Parameter(torch.zeros(1))
+        opt = torch.optim.SGD([p], lr=0.5)
+        sched = make(opt)
+        out = []
+        for _ in range(steps):
+            out.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        return out
+
+    ours = lrs(lambda opt: scheduler_from_config(parse_config(
+        {"scheduler": {"type": kind, "params": params}}).scheduler, opt))
+    theirs = lrs(lambda opt: getattr(lr_schedules, kind)(opt, **params))
+    assert ours == pytest.approx(theirs, rel=1e-12, abs=1e-15), (ours, theirs)
 
 
 def test_torch_scheduler_by_name_and_refusals():

@@ -271,7 +271,8 @@ def test_transformers_own_zero3_test_config_runs_as_written(numbers):
     for r in numbers["hf_test_config"]:
         assert (r["stage"], r["offload"], r["dtype"], r["steps"]) == \
             (3, (True, True), "torch.float16", STEPS)
-        # DeepSpeed's log warm-up: lr at step t is 3e-5 * log(t + 1) / log(500)
-        expected = [3e-5 * math.log(t + 1) / math.log(500) for t in range(STEPS)]
+        # DeepSpeed's log warm-up: its iteration starts at -1 (lr 0, the min), and the lr at
+        # iteration t >= 0 is 3e-5 * log(t + 1) / log(500)
+        expected = [0.0] + [3e-5 * math.log(t + 1) / math.log(500) for t in range(STEPS - 1)]
         assert r["lrs"] == pytest.approx(expected, rel=1e-6), r["lrs"]
         assert all(math.isfinite(x) for x in r["losses"])

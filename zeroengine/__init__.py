@@ -101,10 +101,10 @@ def _prepare_optimizer(model: nn.Module, cfg: Config, optimizer) -> torch.optim.
                 and id(p) not in in_optimizer]
     if left_out:
         warnings.warn(f"{len(left_out)} trainable parameters are not in the optimizer and will "
-                      f"not be updated or reduced (first: {left_out[0]})", stacklevel=3)
+                      f"not be updated or reduced (first: {left_out[0]})", stacklevel=4)
     if any(optimizer.state.values()):
         warnings.warn("the optimizer already has state; zeroengine re-creates it on the shards "
-                      "(load a checkpoint to restore state)", stacklevel=3)
+                      "(load a checkpoint to restore state)", stacklevel=4)
     return optimizer
 
 
@@ -120,6 +120,13 @@ def initialize(model: nn.Module, config, optimizer: torch.optim.Optimizer | None
     ``lr_scheduler``: a torch scheduler over that
     optimizer, or None to build the config's "scheduler" (if any).
     """
+    return build_engine(model, config, optimizer, lr_scheduler)
+
+
+def build_engine(model: nn.Module, config, optimizer=None, lr_scheduler=None,
+                 engine_class: type = ZeroEngine) -> ZeroEngine:
+    """``initialize`` building an ``engine_class`` (zeroengine.deepspeed's DeepSpeedEngine,
+    a ZeroEngine with DeepSpeed's return conventions)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     cfg = parse_config(config)  # all validation that needs no peers happens before any collective
@@ -141,7 +148,7 @@ def initialize(model: nn.Module, config, optimizer: torch.optim.Optimizer | None
             any(hasattr(p, "_ze_slice") for p in model.parameters()):
         warnings.warn("the model was built under zero_init but the config's stage is "
                       f"{cfg.zero_optimization.stage}: its parameters are made whole again",
-                      stacklevel=2)
+                      stacklevel=3)
     model.to(device)
     optimizer = _prepare_optimizer(model, cfg, optimizer)
     from_config = lr_scheduler is None and cfg.scheduler is not None
@@ -169,7 +176,7 @@ def initialize(model: nn.Module, config, optimizer: torch.optim.Optimizer | None
     check_same_sizes(comm, {"zero_optimization.mics_shard_size": shard_size,
                             "zero_optimization.zero_hpz_partition_size": hpz_size,
                             "ranks per node (LOCAL_WORLD_SIZE, for qgZ)": per_node or 0})
-    engine = ZeroEngine(model, optimizer, cfg, comm, device, lr_scheduler,
+    engine = engine_class(model, optimizer, cfg, comm, device, lr_scheduler,
                         topology=build_topology(comm, shard_size, hpz_size, per_node),
                         scheduler_from_config=from_config, local_rank=env.local_rank)
     if cfg.compile.on:

@@ -79,13 +79,15 @@ def _set_rng_state(state: dict) -> None:
 
 # -- save ------------------------------------------------------------------------------------------
 def save_checkpoint(engine, save_dir: str, tag: str | None = None,
-                    client_state: dict | None = None, node_local: bool = False) -> str:
+                    client_state: dict | None = None, node_local: bool = False,
+                    save_latest: bool = True) -> str:
     """Collective: write this engine's checkpoint as ``<save_dir>/<tag>``; returns its path.
 
     ``node_local``: ``save_dir`` is this rank's own directory, not one shared by all ranks (Ray
     Train, which uploads every worker's directory into one checkpoint). Each rank then makes and
     publishes its own directory; rank 0's also gets the metadata and ``latest``, so the union of
-    all ranks' directories is the checkpoint."""
+    all ranks' directories is the checkpoint. ``save_latest=False`` (DeepSpeed's): leave
+    ``latest`` naming the checkpoint it named before."""
     from safetensors.torch import save_file
     comm = engine.comm
     tag = tag or f"global_step{engine.global_steps}"
@@ -171,7 +173,8 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None,
         fmt.write_json_atomic(os.path.join(tmp, fmt.META), fmt.seal(meta))
         fmt.fsync_dir(tmp)
         fmt.publish_dir(tmp, final)
-        fmt.write_text_atomic(os.path.join(save_dir, fmt.LATEST), tag)
+        if save_latest:
+            fmt.write_text_atomic(os.path.join(save_dir, fmt.LATEST), tag)
     elif node_local:
         fmt.fsync_dir(tmp)
         fmt.publish_dir(tmp, final)
@@ -419,7 +422,10 @@ def _load_module_rest(engine, rest: dict, path: str) -> None:
 # -- 16-bit model export ---------------------------------------------------------------------------
 def save_16bit_model(engine, save_dir: str, filename: str = "model.safetensors") -> bool:
     """Collective: the whole model in its compute dtype, written by rank 0 (tied parameters
-    under each of their names, so strict load_state_dict and from_pretrained accept it)."""
+    under each of their names, so strict load_state_dict and from_pretrained accept it). A
+    ``.safetensors`` name is written as safetensors, any other (DeepSpeed's default
+    ``pytorch_model.bin``) as torch.save of the state dict, which is what a reader of that
+    name loads."""
     from safetensors.torch import save_file
     zero = engine.config.zero_optimization
     if engine.sharding.parameters and not zero.stage3_gather_16bit_weights_on_model_save:
@@ -436,7 +442,10 @@ def save_16bit_model(engine, save_dir: str, filename: str = "model.safetensors")
                .contiguous().clone() for k, v in full.items()}
         os.makedirs(save_dir, exist_ok=True)
         path = os.path.join(save_dir, filename)
-        save_file(out, path + ".tmp", metadata={"format": "pt"})
+        if filename.endswith(".safetensors"):
+            save_file(out, path + ".tmp", metadata={"format": "pt"})
+        else:
+            torch.save(out, path + ".tmp")
         fmt.fsync_file(path + ".tmp")
         os.replace(path + ".tmp", path)
     engine.comm.barrier()

@@ -64,6 +64,7 @@ class ZeroEngine(EngineQueries):
         # hybrid sharding: states sharded over topology.shard, replicated across groups
         self.topology = topology or Topology.plain(comm)
         self._local_rank = local_rank  # the launcher's LOCAL_RANK
+        self._backwards_at_step = 0  # reducer.backward_count at the last engine.step()
         shard = self.topology.shard
         self.device = device
         self.stage = config.zero_optimization.stage
@@ -305,10 +306,14 @@ class ZeroEngine(EngineQueries):
                     self.optimizer.steps:
                 with clock.engine_step():  # optimizer.step() stepped this backward already
                     clock.check_step(0)
-            raise RuntimeError(
-                f"engine.step() called for micro-step {self.micro_steps + 1} without "
-                "engine.backward(loss) before it: stepping would apply stale or zero gradients "
-                "(Adam would still move the weights). Call engine.backward(loss), then step()")
+            if self.reducer.backward_count == self._backwards_at_step:
+                raise RuntimeError(
+                    f"engine.step() called for micro-step {self.micro_steps + 1} without "
+                    "engine.backward(loss) (or loss.backward()) before it: stepping would apply "
+                    "stale or zero gradients (Adam would still move the weights). Call "
+                    "engine.backward(loss), then step()")
+            self._check_plain_backward()
+        self._backwards_at_step = self.reducer.backward_count
         boundary = self.is_gradient_accumulation_boundary()
         clock.engine_micro_step(boundary)
         if not boundary:
@@ -316,6 +321,21 @@ class ZeroEngine(EngineQueries):
         with clock.engine_step(lr_kwargs):
             self.optimizer.step()
         self.optimizer.zero_grad()
+
+    def _check_plain_backward(self) -> None:
+        """``loss.backward(); engine.step()`` (DeepSpeed's torch-style backward): the loss
+        reached backward unscaled, which is right only without a loss scaler and with one
+        micro-step per update."""
+        if self.optimizer.loss_scaler is not None:
+            raise RuntimeError("loss.backward() then engine.step() with fp16: the loss was not "
+                               "multiplied by the loss scale, so small gradients underflow and "
+                               "the step is scaled wrong. Call engine.backward(loss) instead")
+        if self.accumulation_steps > 1:
+            raise RuntimeError(
+                "loss.backward() then engine.step() with gradient_accumulation_steps="
+                f"{self.accumulation_steps}: the loss was not divided by the accumulation "
+                "steps. Call engine.backward(loss) (it divides), or step your own optimizer "
+                "after the accumulation (optimizer.step())")
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -443,13 +463,14 @@ class ZeroEngine(EngineQueries):
 
     # -- checkpoints (sharded.py) ------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None,
-                        client_state: dict | None = None, node_local: bool = False) -> str:
+                        client_state: dict | None = None, node_local: bool = False,
+                        save_latest: bool = True) -> str:
         """Collective: each rank writes its own shards of ``<save_dir>/<tag>`` (default tag
         ``global_step<N>``), atomically; ``latest`` then names it. Returns the path.
         ``node_local=True``: each rank's ``save_dir`` is its own (not shared); the checkpoint
         is the union of the ranks' directories, as Ray Train assembles it."""
         from ..checkpoint.sharded import save_checkpoint
-        return save_checkpoint(self, save_dir, tag, client_state, node_local)
+        return save_checkpoint(self, save_dir, tag, client_state, node_local, save_latest)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, **options):
         """Collective: restore from ``<load_dir>/<tag>`` (None: the latest), whatever world

@@ -94,8 +94,11 @@ def optimizer_from_config(cfg: OptimizerConfig, params) -> torch.optim.Optimizer
 
 def _deepspeed_adam(kwargs: dict) -> dict:
     """A DeepSpeed Adam/AdamW section's params with DeepSpeed's meaning, for torch's class."""
-    kwargs = {**DEEPSPEED_ADAM_DEFAULTS, **kwargs}
-    kwargs.pop("torch_adam", None)  # DeepSpeed's switch between its kernel and torch's
+    # DeepSpeed's switch between its FusedAdam (weight_decay 0 unless given) and torch's class,
+    # which then keeps torch's defaults: AdamW's weight_decay is 0.01 there
+    torch_adam = kwargs.pop("torch_adam", False) in (True, "true", "True")
+    if not torch_adam:
+        kwargs = {**DEEPSPEED_ADAM_DEFAULTS, **kwargs}
     kwargs.setdefault("adam_w_mode", True)
     kwargs.setdefault("bias_correction", True)
     return kwargs

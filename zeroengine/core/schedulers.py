@@ -2,7 +2,8 @@
 
 DeepSpeed's WarmupLR, WarmupDecayLR and WarmupCosineLR, written as torch LRScheduler subclasses
 (so they step, save and load like any torch scheduler), plus any torch.optim.lr_scheduler class
-by name. Iteration t is the scheduler's ``last_epoch`` (0 at construction, +1 per optimizer step).
+by name. Iteration t is DeepSpeed's ``last_batch_iteration`` (-1 at construction, +1 per
+optimizer step): torch's ``last_epoch`` - 1.
 """
 from __future__ import annotations
 
@@ -24,32 +25,48 @@ def _warmup_gamma(t: int, warmup_steps: int, warmup_type: str) -> float:
     return t / warmup_steps
 
 
-class WarmupLR(LRScheduler):
-    """lr rises from warmup_min_lr to warmup_max_lr over warmup_num_steps, then stays."""
+class _DeepSpeedIteration(LRScheduler):
+    """DeepSpeed's schedules count ``last_batch_iteration`` from -1 at construction (the
+    lr is the start value then, and again after the first step, at iteration 0); torch's
+    last_epoch counts from 0. ``iteration`` is DeepSpeed's count, so the lr of every step is
+    DeepSpeed's (tests/test_ds_scripts.py runs DeepSpeed beside us)."""
 
-    def __init__(self, optimizer, warmup_min_lr: float = 0.0, warmup_max_lr: float = 0.001,
+    @property
+    def iteration(self) -> int:
+        return self.last_epoch - 1
+
+
+class WarmupLR(_DeepSpeedIteration):
+    """lr rises from warmup_min_lr to warmup_max_lr (default: the group's lr, as DeepSpeed's)
+    over warmup_num_steps, then stays."""
+
+    def __init__(self, optimizer, warmup_min_lr: float = 0.0, warmup_max_lr: float | None = None,
                  warmup_num_steps: int = 1000, warmup_type: str = "log", last_epoch: int = -1):
         if warmup_type not in ("log", "linear"):
             raise ConfigError(f"scheduler.params.warmup_type must be 'log' or 'linear', got "
                               f"{warmup_type!r}")
-        self.min_lr, self.max_lr = warmup_min_lr, warmup_max_lr
+        self.min_lr = warmup_min_lr
+        self.max_lrs = [g["lr"] for g in optimizer.param_groups] if warmup_max_lr is None \
+            else [warmup_max_lr] * len(optimizer.param_groups)
         self.warmup_num_steps = max(2, int(warmup_num_steps))  # log(1) would divide by zero
         self.warmup_type = warmup_type
         super().__init__(optimizer, last_epoch)
 
     def _gamma(self) -> float:
-        return _warmup_gamma(self.last_epoch, self.warmup_num_steps, self.warmup_type)
+        return _warmup_gamma(self.iteration, self.warmup_num_steps, self.warmup_type)
 
     def get_lr(self):
-        lr = self.min_lr + (self.max_lr - self.min_lr) * self._gamma()
-        return [lr for _ in self.optimizer.param_groups]
+        if self.iteration < 0:
+            return [self.min_lr for _ in self.optimizer.param_groups]
+        gamma = self._gamma()
+        return [self.min_lr + (top - self.min_lr) * gamma for top in self.max_lrs]
 
 
 class WarmupDecayLR(WarmupLR):
     """WarmupLR, then linear decay to 0 at total_num_steps."""
 
     def __init__(self, optimizer, total_num_steps: int, warmup_min_lr: float = 0.0,
-                 warmup_max_lr: float = 0.001, warmup_num_steps: int = 1000,
+                 warmup_max_lr: float | None = None, warmup_num_steps: int = 1000,
                  warmup_type: str = "log", last_epoch: int = -1):
         if total_num_steps < warmup_num_steps:
             raise ConfigError(f"scheduler.params.total_num_steps ({total_num_steps}) is less than "
@@ -59,15 +76,15 @@ class WarmupDecayLR(WarmupLR):
                          last_epoch)
 
     def _gamma(self) -> float:
-        if self.last_epoch < self.warmup_num_steps:
+        if self.iteration < self.warmup_num_steps:
             return super()._gamma()
-        return max(0.0, (self.total_num_steps - self.last_epoch) /
+        return max(0.0, (self.total_num_steps - self.iteration) /
                    max(1.0, self.total_num_steps - self.warmup_num_steps))
 
 
-class WarmupCosineLR(LRScheduler):
+class WarmupCosineLR(_DeepSpeedIteration):
     """Ratio of each group's own lr: warm up from warmup_min_ratio to 1, then cosine-decay to
-    cos_min_ratio at total_num_steps."""
+    cos_min_ratio at total_num_steps (0 before the first step, as DeepSpeed's)."""
 
     def __init__(self, optimizer, total_num_steps: int, warmup_min_ratio: float = 0.0,
                  warmup_num_steps: int = 1000, cos_min_ratio: float = 0.0001,
@@ -79,15 +96,17 @@ class WarmupCosineLR(LRScheduler):
         super().__init__(optimizer, last_epoch)
 
     def get_lr(self):
-        t = self.last_epoch
-        if t < self.warmup_num_steps:
+        t = self.iteration
+        if t < 0:
+            ratio = 0.0
+        elif t < self.warmup_num_steps:
             g = _warmup_gamma(t, self.warmup_num_steps, self.warmup_type)
             ratio = self.warmup_min_ratio + (1.0 - self.warmup_min_ratio) * g
         else:
             span = max(1, self.total_num_steps - self.warmup_num_steps)
-            progress = min(1.0, (t - self.warmup_num_steps) / span)
-            ratio = self.cos_min_ratio + (1.0 - self.cos_min_ratio) * 0.5 * (
-                1.0 + math.cos(math.pi * progress))
+            progress = min(1.0, (t - self.warmup_num_steps + 1) / span)
+            ratio = max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * 0.5 * (
+                1.0 + math.cos(math.pi * progress)))
         return [base * ratio for base in self.base_lrs]
 
 

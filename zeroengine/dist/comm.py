@@ -85,12 +85,28 @@ def init_distributed(timeout_s: float | None = None) -> LaunchEnv:
 def _destroy_group_at_exit() -> None:
     """The group we build, we take down at interpreter exit: a gloo group left to the C++
     static destructors can abort the process ("terminate called without an active exception")
-    after the job itself succeeded, which a launcher then reports as a failed rank."""
+    after the job itself succeeded, which a launcher then reports as a failed rank. The ranks
+    meet first (as shutdown_distributed does): one that tears its group down while a faster
+    peer has already closed its sockets aborts the same way (seen with scripts that end
+    without destroying the group, tests/test_ds_scripts.py). A peer that never arrives (it
+    crashed; its launcher stops the rest anyway) costs at most 30 s here, and a rank leaving
+    on an uncaught exception does not wait for the others at all."""
     import atexit
+    import sys
 
     def destroy():
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if not dist.is_initialized():
+            return
+        failed = getattr(sys, "last_type", None) is not None  # set for an uncaught exception
+        try:
+            if dist.get_world_size() > 1 and not failed:
+                if dist.get_backend() == "gloo":
+                    dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
+                else:
+                    dist.barrier()
+        except Exception:  # noqa: BLE001 - exiting anyway; the group still goes
+            pass
+        dist.destroy_process_group()
     atexit.register(destroy)
 
 
