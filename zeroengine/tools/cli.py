@@ -4,6 +4,7 @@
     zeroengine consolidate CKPT_DIR OUT [--tag TAG] [--pt]
     zeroengine check-config CONFIG [--world N] [--hidden-size H]
     zeroengine estimate (--params P | --config CONFIG) [--stage S] [--world N ...] ...
+    zeroengine launch [--num_gpus N --num_nodes M --hostfile F ...] script.py ARGS (tools/launch.py)
 """
 from __future__ import annotations
 
@@ -223,6 +224,8 @@ def _train(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zeroengine", description="zeroengine tools")
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("launch", help="run a training script on N processes per node with the "
+                   "deepspeed command's flags (zeroengine launch --help)", add_help=False)
     t = sub.add_parser("train", help="train the built-in byte-level GPT on the Python standard "
                        "library's sources, as the config's 'job' section says")
     t.add_argument("config")
@@ -295,6 +298,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["launch"]:  # the deepspeed command's flags, then the script's own
+        from .launch import LaunchError, launch
+        try:
+            return launch(argv[1:])
+        except (LaunchError, OSError) as err:
+            print(f"zeroengine launch: error: {err}", file=sys.stderr)
+            return 2
     args = build_parser().parse_args(argv)
     from ..checkpoint.format import CheckpointError
     from ..config import ConfigError
