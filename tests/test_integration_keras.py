@@ -69,6 +69,7 @@ def distributed(cases) -> list:
                             verbose=0)
         out.append(dict(state=engine.consolidated_state_dict(),
                         iterations=int(model.optimizer.iterations.numpy()),
+                        global_steps=engine.global_steps,
                         losses=history.history["loss"]))
         engine.close()
     return out
@@ -103,6 +104,7 @@ def test_fit_ends_with_keras_single_process_parameters(results, references, stag
         err, where = max_relative_error(r["state"], reference)
         assert err <= tol, (err, where)
         assert r["iterations"] == EPOCHS * 48 // GLOBAL_BATCH
+        assert r["global_steps"] == r["iterations"]  # Keras' opt.step() is the engine's step
 
 
 def test_shard_reassembles_the_global_batches():

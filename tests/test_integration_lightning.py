@@ -93,13 +93,15 @@ def fit(kind, optim: str, precision: str = "32-true") -> dict:
     t = trainer(strategy, precision=precision)
     train, val = loaders()
     t.fit(model, train, val)
+    engine_steps = None
     if kind is None:
         state = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
     else:
         state = t.strategy.engine.consolidated_state_dict()
+        engine_steps = t.strategy.engine.global_steps
         t.strategy.engine.close()
     return dict(state=state, steps=t.global_step, val_loss=float(t.callback_metrics["val_loss"]),
-                dtype=str(next(model.parameters()).dtype))
+                dtype=str(next(model.parameters()).dtype), engine_steps=engine_steps)
 
 
 CASES = [(None, "adamw"), (0, "adamw"), (1, "adamw"), (2, "adamw"), (3, "adamw"),
@@ -126,6 +128,7 @@ def test_strategy_ends_with_lightning_ddp_parameters(results, stage, optim, tol)
         err, where = max_relative_error(r["state"], ddp["state"])
         assert err <= tol, (err, where)
         assert r["steps"] == ddp["steps"] == STEPS
+        assert r["engine_steps"] == STEPS  # the engine's clock counts Lightning's steps once
         assert r["val_loss"] == pytest.approx(ddp["val_loss"], rel=1e-4)
 
 
