@@ -75,6 +75,8 @@ def main():
                        "micro": engine.train_micro_batch_size_per_gpu(),
                        "stage": engine.zero_optimization_stage()}, f)
     deepspeed.comm.barrier()
+    # the group goes down with every rank still connected (see recorder.py)
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

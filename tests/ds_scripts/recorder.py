@@ -83,6 +83,13 @@ def main():
     if int(os.environ.get("RANK", "0")) == 0:
         with open(out, "w") as f:
             json.dump({"losses": losses, "steps": steps, "final": final}, f)
+    # Take the group down together, for either engine: a gloo group left to interpreter exit
+    # can abort a rank whose peer exited first ("terminate called without an active
+    # exception"), after the run itself succeeded (seen with DeepSpeed in CI).
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
