@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -48,8 +49,15 @@ def deepspeed_copy(path: str, out_dir: str) -> str:
     return target
 
 
+# gloo's teardown race: a rank whose peer closed its sockets while it was still taking the
+# group down aborts with this line, after the run itself completed (seen 1 in ~20 launches in
+# CI, for DeepSpeed's processes and ours, even after a barrier). A run that wrote its complete
+# result file before that is accepted; anything else still fails the test.
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
 def launch(script: str, args: list[str], cwd: str, engine: str, timeout: int = 600,
-           expect_failure: bool = False) -> str:
+           expect_failure: bool = False, result: str | None = None) -> str:
     """Two local ranks through `zeroengine launch` (it passes --local_rank as DeepSpeed's
     launcher does); returns the output, failing the test with it if the run failed (or, with
     ``expect_failure``, if it did not)."""
@@ -66,9 +74,21 @@ def launch(script: str, args: list[str], cwd: str, engine: str, timeout: int = 6
             break
     if expect_failure:
         assert done.returncode != 0, f"{engine} run was expected to fail:\n{output[-3000:]}"
+    elif done.returncode != 0 and TEARDOWN_ABORT in output and result is not None and \
+            _complete_json(result):
+        warnings.warn(f"{engine}: a rank aborted in gloo's teardown after the run completed")
     else:
         assert done.returncode == 0, f"{engine} run failed:\n{output[-6000:]}"
     return output
+
+
+def _complete_json(path: str) -> bool:
+    try:
+        with open(path) as f:
+            json.load(f)
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 def config(stage: int, precision: str, tmp: str, name: str) -> str:
@@ -95,7 +115,7 @@ def relative(a: float, b: float) -> float:
 def recorded(script: str, args: list[str], tmp: str, engine: str, name: str) -> dict:
     """Run ``script`` under tests/ds_scripts/recorder.py on two ranks; what rank 0 recorded."""
     out = os.path.join(tmp, f"{name}.json")
-    launch(RECORDER, [out, engine, script, *args], tmp, engine)
+    launch(RECORDER, [out, engine, script, *args], tmp, engine, result=out)
     with open(out) as f:
         return json.load(f)
 
@@ -180,9 +200,11 @@ def test_api_probe_against_deepspeed(tmp_path, stage, precision):
     for engine in ("deepspeed", "zeroengine"):
         ckpt, out = str(tmp_path / f"{engine}-ckpt"), str(tmp_path / f"{engine}.json")
         common = ["--deepspeed_config", cfg, "--ckpt", ckpt, "--steps", "6"]
-        launch(probe, common + ["--out", out, "--save_at", "3"], str(tmp_path), engine)
+        launch(probe, common + ["--out", out, "--save_at", "3"], str(tmp_path), engine,
+               result=out)
         resumed = str(tmp_path / f"{engine}-resumed.json")
-        launch(probe, common + ["--out", resumed, "--resume"], str(tmp_path), engine)
+        launch(probe, common + ["--out", resumed, "--resume"], str(tmp_path), engine,
+               result=resumed)
         with open(out) as f, open(resumed) as g:
             results[engine] = (json.load(f), json.load(g))
     tolerance = 1e-5 if precision == "fp32" else BF16_TOLERANCE
