@@ -285,7 +285,7 @@ class ZeroEngine(EngineQueries):
                 "micro-step, add them and call backward once")
         self.clock.record_loss(loss)
         compiled.check_compiled_autograd()
-        gas_scaled = loss / self.accumulation_steps if scale_wrt_gas else loss
+        returned = loss.detach() / (self.accumulation_steps if scale_wrt_gas else 1)
         factor = self.loss_scale / (self.accumulation_steps if scale_wrt_gas else 1)
         if factor != 1.0:
             # fp16: scaled in fp32, since loss x 2**16 overflows fp16 itself.
@@ -293,7 +293,7 @@ class ZeroEngine(EngineQueries):
         with self.reducer.scaled_backward(), self.clock.timing("backward"):
             loss.backward(retain_graph=retain_graph)
         self.clock.backward_pending = True
-        return gas_scaled.detach()
+        return returned
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Count a micro-step; at an accumulation boundary update and clear the gradients. The
@@ -380,8 +380,7 @@ class ZeroEngine(EngineQueries):
     # -- reports ---------------------------------------------------------------------------------
     @property
     def loss_scale(self) -> float:
-        scaler = self.optimizer.loss_scaler
-        return scaler.scale if scaler is not None else 1.0
+        return self.clock.loss_scale()
 
     # the step clock's counters and scheduler (step_clock.py), under DeepSpeed's names
     @property
