@@ -18,8 +18,9 @@ $(STAMP): $(SOURCES)
 	$(PY) -m pip install -q $(TORCH) numpy pytest hypothesis ninja psutil
 	# the optional integrations the tests cover: Ray Train, transformers (+ accelerate for its Trainer), Lightning, fastai, Keras 3, TensorBoard
 	$(PY) -m pip install -q $(TORCH) "ray[train]" "transformers>=5,<6" accelerate "lightning>=2.2,<3" "fastai>=2.7,<3" "keras>=3,<4" tensorboard
-	# the peer the DeepSpeed API is tested against (torch pinned in the same command)
-	$(PY) -m pip install -q $(TORCH) $(DEEPSPEED)
+	# the peer the DeepSpeed API is tested against (torch pinned in the same command), and what
+	# the public DeepSpeed scripts in tests/ds_scripts/ import (HelloDeepSpeed's train_bert_ds.py)
+	$(PY) -m pip install -q $(TORCH) $(DEEPSPEED) datasets fire loguru pytz sh
 	# fastai depends on torchvision, and the only torchvision this machine's index holds for
 	# torch 2.13 is the CUDA build, which does not load against the CPU torch (and Lightning
 	# imports torchvision whenever it is installed). zeroengine's fastai integration does not use it.

@@ -422,3 +422,18 @@ def test_rng_states_are_restored(saved_single):
     again = (torch.rand(3), np.random.rand(3), random.random())
     assert torch.equal(drawn[0], again[0]) and (drawn[1] == again[1]).all()
     assert drawn[2] == again[2]
+
+
+def test_rng_states_left_alone_when_asked(saved_single):
+    """load_rng_states=False (what zeroengine.deepspeed's load_checkpoint passes: DeepSpeed
+    does not restore generators) leaves every generator where it was."""
+    import random
+
+    import numpy as np
+    engine, root, _ = saved_single
+    engine.save_checkpoint(str(root), tag="rng")
+    torch.rand(3), np.random.rand(3), random.random()  # move past the saved states
+    states = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
+    engine.load_checkpoint(str(root), tag="rng", load_rng_states=False)
+    assert torch.equal(torch.get_rng_state(), states[0])
+    assert (np.random.get_state()[1] == states[1]).all() and random.getstate() == states[2]

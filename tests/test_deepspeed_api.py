@@ -134,8 +134,10 @@ def test_engine_deepspeed_conventions(single_process, tmp_path):
     assert engine.save_checkpoint(str(tmp_path / "ck"), tag=7, client_state={"epoch": 2})
     assert engine.save_checkpoint(str(tmp_path / "ck"), tag="later", save_latest=False)
     assert (tmp_path / "ck" / "latest").read_text().strip() == "7"
+    rng = torch.get_rng_state()
     path, client = engine.load_checkpoint(str(tmp_path / "ck"))
     assert path.endswith("7") and client == {"epoch": 2}
+    assert torch.equal(torch.get_rng_state(), rng)  # DeepSpeed's load leaves generators alone
     assert engine.save_16bit_model(str(tmp_path / "out"))  # DeepSpeed's pytorch_model.bin
     state = torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=True)
     assert torch.equal(state["0.weight"], model[0].weight.detach())

@@ -6,6 +6,12 @@
   the same file with its own import lines put back. Its per-step losses (the script's
   --loss_log_file, one step more than the comparison so that the last update shows) must agree:
   fp32 <= 1e-5 relative, bf16 within the suite's bf16 tracking tolerance.
+- tests/ds_scripts/train_bert_ds.py, DeepSpeedExamples' HelloDeepSpeed (a transformers RoBERTa
+  MLM; its own ZeRO-1 + CPU-offload config in bf16 and fp16), its data download replaced by
+  synthetic text: a run that saves through the script's own save_checkpoint(client_state=...)
+  calls, then a second that resumes through its load_checkpoint(load_dir): losses, lr,
+  global_steps, final parameters, fp32 masters and Adam moments against DeepSpeed's, and what
+  the resume loaded bit for bit what the first run ended with, for each engine.
 - tests/ds_scripts/api_probe.py (ours, written as a DeepSpeed script) compares the rest:
   initialize(training_data=...)'s loader, the config scheduler's lr per step, counters,
   was_step_applied, the final parameters, and a checkpoint saved with client_state and
@@ -57,13 +63,14 @@ TEARDOWN_ABORT = "terminate called without an active exception"
 
 
 def launch(script: str, args: list[str], cwd: str, engine: str, timeout: int = 600,
-           expect_failure: bool = False, result: str | None = None) -> str:
+           expect_failure: bool = False, result: str | None = None,
+           env: dict | None = None) -> str:
     """Two local ranks through `zeroengine launch` (it passes --local_rank as DeepSpeed's
     launcher does); returns the output, failing the test with it if the run failed (or, with
     ``expect_failure``, if it did not)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
            "PROBE_ENGINE": engine, "PYTHONPATH": os.pathsep.join(
-               [os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
+               [os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]), **(env or {})}
     for attempt in range(2):  # a port taken between free_port() and torchrun's bind: retry
         cmd = [sys.executable, "-m", "zeroengine.tools.launch", "--num_gpus", "2",
                "--master_port", str(free_port()), script, *args]
@@ -112,10 +119,11 @@ def relative(a: float, b: float) -> float:
 
 
 # -- public scripts ----------------------------------------------------------------------------
-def recorded(script: str, args: list[str], tmp: str, engine: str, name: str) -> dict:
+def recorded(script: str, args: list[str], tmp: str, engine: str, name: str,
+             env: dict | None = None) -> dict:
     """Run ``script`` under tests/ds_scripts/recorder.py on two ranks; what rank 0 recorded."""
     out = os.path.join(tmp, f"{name}.json")
-    launch(RECORDER, [out, engine, script, *args], tmp, engine, result=out)
+    launch(RECORDER, [out, engine, script, *args], tmp, engine, result=out, env=env)
     with open(out) as f:
         return json.load(f)
 
@@ -132,10 +140,12 @@ def assert_same_run(ours: dict, theirs: dict, tolerance: float) -> None:
     assert sorted(ours["final"]) == sorted(theirs["final"])
     for name, values in theirs["final"].items():
         mine = ours["final"][name]
-        if name.endswith("attention.in_proj_bias"):
-            # the key bias (middle third) gets no gradient (softmax ignores a shift of every
-            # key's score): its "gradient" is round-off, which Adam scales up to lr-sized
-            # steps differently under any other summation order. Query and value biases count.
+        # the key bias gets no gradient (softmax ignores a shift of every key's score): its
+        # "gradient" is round-off, which Adam scales up to lr-sized steps differently under
+        # any other summation order. Query and value biases count.
+        if name.endswith("attention.self.key.bias"):  # transformers' separate key projection
+            continue
+        if name.endswith("attention.in_proj_bias"):  # torch's packed q/k/v: the middle third
             third = len(values) // 3
             values, mine = values[:third] + values[2 * third:], mine[:third] + mine[2 * third:]
         scale = max(abs(v) for v in values) or 1.0
@@ -185,6 +195,79 @@ def test_deepspeedexamples_cifar10_script(tmp_path, stage, precision):
     result = recorded(ours, args, tmp, "zeroengine", "ours")
     assert len(result["steps"]) == 256 // 16  # one epoch of the synthetic data
     assert_same_run(result, reference, 1e-5 if precision == "fp32" else BF16_TOLERANCE)
+
+
+def word_tokenizer(tmp: str) -> str:
+    """A local word-level tokenizer for the synthetic text (words w0..w199) with RoBERTa's
+    special tokens at RoBERTa's ids (<s> 0, <pad> 1, </s> 2; the script's model config fixes
+    pad 1, bos 0, eos 2), in place of downloading roberta-base's."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    special = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+    vocab = {t: i for i, t in enumerate(special + [f"w{i}" for i in range(200)])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    path = os.path.join(tmp, "tokenizer")
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                            pad_token="<pad>", unk_token="<unk>",
+                            mask_token="<mask>").save_pretrained(path)
+    return path
+
+
+BERT_ARGS = ["--num_layers", "2", "--num_heads", "2", "--ff_dim", "64", "--h_dim", "32",
+             "--max_seq_length", "32", "--batch_size", "4", "--log_every", "1"]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_hellodeepspeed_bert_script_saves_and_resumes(tmp_path, dtype):
+    """DeepSpeedExamples training/HelloDeepSpeed/train_bert_ds.py: a RoBERTa MLM from
+    transformers under the script's own config (ZeRO stage 1, optimizer offloaded to the CPU,
+    bf16 or fp16: the script allows only those two), engine.backward / step, and its own
+    checkpoint calls: save_checkpoint(exp_dir, client_state={'checkpoint_step': step}) every 3
+    steps and at the end; then a second run with --load_checkpoint_dir resumes through
+    load_checkpoint(load_dir=exp_dir) (the 'latest' tag) and reads checkpoint_step back."""
+    tmp = str(tmp_path)
+    ours = os.path.join(SCRIPTS, "train_bert_ds.py")
+    theirs = deepspeed_copy(ours, tmp)
+    common = ["--tokenizer", word_tokenizer(tmp), "--dtype", dtype, *BERT_ARGS]
+    env = {"RECORD_STATE": "1", "RECORD_FIXED_CLOCK": "1"}
+    runs = {}
+    for engine, script in (("deepspeed", theirs), ("zeroengine", ours)):
+        ckpt = os.path.join(tmp, f"{engine}-ckpt")
+        os.makedirs(ckpt)
+        # steps 1-6, saved at 3 and 6, and once more at the end (the script's loop leaves
+        # step at 7 there: tag global_step6 again, client_state checkpoint_step 7)
+        first = recorded(script, ["--checkpoint_dir", ckpt, "--num_iterations", "7",
+                                  "--checkpoint_every", "3", *common], tmp, engine,
+                         f"{engine}-first", env)
+        (exp_dir,) = os.listdir(ckpt)
+        resumed = recorded(script, ["--load_checkpoint_dir", os.path.join(ckpt, exp_dir),
+                                    "--num_iterations", "11", *common], tmp, engine,
+                           f"{engine}-resumed", env)
+        runs[engine] = (first, resumed)
+        (loaded,) = resumed["loads"]
+        assert loaded["client_state"]["checkpoint_step"] == 7, (engine, loaded["client_state"])
+        # DeepSpeed's load leaves torch's and numpy's generators alone; the script's dropout
+        # and its masking draw from them after the load
+        assert loaded["rng_after"] == loaded["rng_before"], engine
+        # what the resume loaded is what the first run ended with, bit for bit: fp32 masters
+        # and both Adam moments of every parameter
+        assert loaded["state"] == first["final_state"][0], engine
+        assert [s["global_steps"] for s in first["steps"]] == [1, 2, 3, 4, 5, 6]
+        assert [s["global_steps"] for s in resumed["steps"]] == [7, 8, 9], engine
+    for run in (0, 1):  # the first run, and the resumed one
+        ours_run, theirs_run = runs["zeroengine"][run], runs["deepspeed"][run]
+        assert_same_run(ours_run, theirs_run, BF16_TOLERANCE)
+        for name, ref in theirs_run["final_state"][0].items():
+            if name.endswith("attention.self.key.bias"):
+                continue
+            for kind in ("fp32", "exp_avg", "exp_avg_sq"):
+                mine = ours_run["final_state"][0][name][kind]
+                assert mine is not None, (name, kind)
+                if ref[kind] is None:  # DeepSpeed cannot read offloaded moments back
+                    continue
+                assert relative(mine["norm"], ref[kind]["norm"]) <= BF16_TOLERANCE, \
+                    (run, name, kind, mine, ref[kind])
 
 
 # -- the API around it, against DeepSpeed -------------------------------------------------------

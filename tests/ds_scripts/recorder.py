@@ -7,7 +7,16 @@ file; the scripts it runs are public (tests/ds_scripts/*.py, each with its sourc
     python recorder.py [--local_rank=N] OUT ENGINE SCRIPT [script args]
 
 ENGINE: "deepspeed" (DeepSpeed itself) or "zeroengine" (zeroengine.deepspeed).
+
+With RECORD_STATE=1 it also records, through DeepSpeed's utils.safe_get_full_fp32_param /
+safe_get_full_optimizer_state, a digest of every parameter's fp32 master and Adam moments
+right after each engine.load_checkpoint(...) the script makes (with the client_state it
+returned) and at the end: a resumed run's state after loading must be the saved run's state at
+its end, bit for bit. With RECORD_FIXED_CLOCK=1 the wall clock pytz-zoned now() reads is one
+fixed instant (see _fix_clock).
 """
+import datetime
+import hashlib
 import importlib
 import json
 import os
@@ -17,6 +26,58 @@ import sys
 import torch
 
 
+def _fix_clock():
+    """HelloDeepSpeed's train_bert_ds.py names its experiment directory after each rank's own
+    ``datetime.now(pytz.timezone(...))`` to the second, so two ranks that straddle a second
+    save into two directories and the resume finds half a checkpoint (a race in the script,
+    under DeepSpeed as under us). Both engines' runs read one fixed instant instead."""
+    import pytz
+
+    class FixedInstant(datetime.tzinfo):
+        def utcoffset(self, dt):
+            return datetime.timedelta(0)
+
+        def dst(self, dt):
+            return datetime.timedelta(0)
+
+        def tzname(self, dt):
+            return "UTC"
+
+        def fromutc(self, dt):  # what datetime.now(tz) returns
+            return datetime.datetime(2025, 1, 1, 12, 0, 0, tzinfo=self)
+
+    pytz.timezone = lambda name: FixedInstant()
+
+
+def _rng_digest() -> dict:
+    import numpy as np
+    return {"torch": hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest(),
+            "numpy": hashlib.sha256(np.random.get_state()[1].tobytes()).hexdigest()
+            + str(np.random.get_state()[2])}
+
+
+def _digest(ds, engine, engine_name: str) -> dict:
+    """Per parameter: sha256, norm and sum of its fp32 master and of each Adam moment, read
+    through DeepSpeed's own accessors (collectives: every rank calls them in one order).
+    DeepSpeed 0.19.8 cannot read the moments back with the optimizer offloaded (its
+    tensor_fragment has no optim_fragment there: TypeError on the owning rank, a collective
+    left waiting on the other): those are None for DeepSpeed then; zeroengine's must read."""
+    moments = not (engine_name == "deepspeed" and engine.zero_cpu_offload())
+    out = {}
+    for name, p in engine.module.named_parameters():
+        entry = {"fp32": ds.utils.safe_get_full_fp32_param(p)}
+        for key in ("exp_avg", "exp_avg_sq"):
+            entry[key] = ds.utils.safe_get_full_optimizer_state(p, key) if moments else None
+        for kind, t in entry.items():
+            if t is None:
+                continue
+            t = t.detach().float().cpu().contiguous()
+            entry[kind] = {"sha": hashlib.sha256(t.numpy().tobytes()).hexdigest(),
+                           "norm": t.norm().item(), "sum": t.sum().item()}
+        out[name] = entry
+    return out
+
+
 def main():
     argv = sys.argv[1:]
     local = [a for a in argv if a.startswith("--local_rank=")]
@@ -24,7 +85,10 @@ def main():
     out, engine_name, script, script_args = argv[0], argv[1], argv[2], argv[3:]
     ds = importlib.import_module("deepspeed" if engine_name == "deepspeed"
                                  else "zeroengine.deepspeed")
-    losses, engines, steps = [], [], []
+    losses, engines, steps, loads = [], [], [], []
+    record_state = os.environ.get("RECORD_STATE") == "1"
+    if os.environ.get("RECORD_FIXED_CLOCK") == "1":
+        _fix_clock()
     captured: dict[int, dict] = {}
 
     def capture(index, engine):
@@ -59,6 +123,19 @@ def main():
             return value
 
         engine.step = recording_step
+        load = engine.load_checkpoint
+
+        def recording_load(*a, **k):
+            before = _rng_digest()
+            value = load(*a, **k)
+            after = _rng_digest()
+            if record_state:
+                loads.append({"engine": index, "client_state": value[1],
+                              "state": _digest(ds, engine, engine_name),
+                              "rng_before": before, "rng_after": after})
+            return value
+
+        engine.load_checkpoint = recording_load
         destroy = getattr(engine, "destroy", None)
 
         def recording_destroy(*a, **k):  # the script's last call: the parameters before it
@@ -80,9 +157,13 @@ def main():
         if index not in captured:
             capture(index, engine)
     final = {k: v for index in sorted(captured) for k, v in captured[index].items()}
+    result = {"losses": losses, "steps": steps, "final": final}
+    if record_state:
+        result["loads"] = loads
+        result["final_state"] = [_digest(ds, engine, engine_name) for engine in engines]
     if int(os.environ.get("RANK", "0")) == 0:
         with open(out, "w") as f:
-            json.dump({"losses": losses, "steps": steps, "final": final}, f)
+            json.dump(result, f, default=str)
     # Take the group down together, for either engine: a gloo group left to interpreter exit
     # can abort a rank whose peer exited first ("terminate called without an active
     # exception"), after the run itself succeeded (seen with DeepSpeed in CI).

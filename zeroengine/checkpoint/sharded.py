@@ -262,10 +262,13 @@ _SAME_STATE = {"AdamW": "Adam", "Adam": "Adam", "CPUAdam": "Adam", "FusedAdam": 
 
 def load_checkpoint(engine, load_dir: str, tag: str | None = None, *,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                    load_module_only: bool = False, missing_ok: bool = False):
+                    load_module_only: bool = False, missing_ok: bool = False,
+                    load_rng_states: bool = True):
     """Collective: restore ``engine`` from ``<load_dir>/<tag>`` (None: ``latest``). Returns
     (path, client_state), or (None, None) with ``missing_ok`` when nothing was saved yet (no
-    directory, or no ``latest`` in it)."""
+    directory, or no ``latest`` in it). ``load_rng_states``: each rank's torch, numpy and
+    Python generators as they were at the save (a resume draws what the run straight through
+    would have drawn); False leaves them as they are (DeepSpeed's load_checkpoint)."""
     path = fmt.resolve(load_dir, tag, missing_ok)
     if path is None:
         return None, None
@@ -298,7 +301,7 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, *,
         engine.lr_scheduler.load_state_dict(extras["lr_scheduler"])
     rank = engine.comm.rank
     own = fmt.rank_file(rank, "pt")
-    if own in meta["files"]:
+    if load_rng_states and own in meta["files"]:
         mine = extras if rank == 0 else fmt.load_extras(fmt.verify(path, own, meta))
         _set_rng_state(mine["rng"])
     engine.optimizer.zero_grad()

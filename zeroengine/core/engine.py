@@ -475,7 +475,8 @@ class ZeroEngine(EngineQueries):
         """Collective: restore from ``<load_dir>/<tag>`` (None: the latest), whatever world
         size, stage or offload it was saved with. Returns (path, client_state). Options:
         load_optimizer_states, load_lr_scheduler_states, load_module_only, missing_ok (return
-        (None, None) instead of raising when nothing was saved yet: the resume pattern)."""
+        (None, None) instead of raising when nothing was saved yet: the resume pattern),
+        load_rng_states (default True: each rank's torch/numpy/Python generators as saved)."""
         from ..checkpoint.sharded import load_checkpoint
         return load_checkpoint(self, load_dir, tag, **options)
 

@@ -55,7 +55,10 @@ class DeepSpeedEngine(ZeroEngine):
         path, client_state = super().load_checkpoint(
             load_dir, tag, load_optimizer_states=load_optimizer_states,
             load_lr_scheduler_states=load_lr_scheduler_states,
-            load_module_only=load_module_only, missing_ok=True)
+            load_module_only=load_module_only, missing_ok=True,
+            # DeepSpeed's load_checkpoint leaves the generators alone: a script that seeds at
+            # the start and resumes draws the same dropout masks and data under either engine
+            load_rng_states=False)
         if path is None:  # DeepSpeed's answer when nothing was saved there yet
             warnings.warn(f"Unable to find a checkpoint in {load_dir} (no 'latest' file"
                           f"{'' if tag is None else ' and no tag ' + repr(tag)}); nothing "
