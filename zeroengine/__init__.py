@@ -16,6 +16,8 @@ import torch.nn as nn
 from ._version import __version__
 from .config import Config, ConfigError, model_hidden_size, parse_config, resolve_auto, to_dict
 from .config_policy import notice
+from .checkpoint.weight_files import WeightsError
+from .core import deferred_params
 from .core.compiled import check_compile_args
 from .core.drop_in import install as _install_drop_in
 from .core.engine import ZeroEngine
@@ -39,7 +41,7 @@ from .dist.topology import (
 _install_drop_in()  # torch.nn.utils.clip_grad_norm_ learns the engine's sharded gradients
 __all__ = ["initialize", "init_distributed", "gathered_parameters", "zero_init", "ZeroEngine",
            "ConfigError", "Config", "parse_config", "RankMismatchError", "declare_optimizer",
-           "OptimizerChain", "OptimizerKindError", "__version__"]
+           "OptimizerChain", "OptimizerKindError", "WeightsError", "__version__"]
 
 
 def _passed_and_configured(section: str, what: str, passed, configured) -> None:
@@ -109,7 +111,7 @@ def _prepare_optimizer(model: nn.Module, cfg: Config, optimizer) -> torch.optim.
 
 
 def initialize(model: nn.Module, config, optimizer: torch.optim.Optimizer | None = None,
-               lr_scheduler=None) -> ZeroEngine:
+               lr_scheduler=None, weights=None) -> ZeroEngine:
     """Wrap ``model`` for sharded data-parallel training as ``config`` describes.
 
     ``config``: path to a JSON file, a dict, or a parsed Config. ``optimizer``: one built over
@@ -119,12 +121,17 @@ def initialize(model: nn.Module, config, optimizer: torch.optim.Optimizer | None
     (Muon, Adafactor, LAMB, ...) step whole parameters, each on one rank (optimizer_kind.py).
     ``lr_scheduler``: a torch scheduler over that
     optimizer, or None to build the config's "scheduler" (if any).
+    ``weights``: safetensors weights to start from (a file, a directory holding
+    model.safetensors or a sharded model.safetensors.index.json, a `zeroengine consolidate`
+    output), read by parameter name straight into each rank's shard (at stage 3 only the
+    elements the rank keeps). A model built on the meta device is materialised from
+    ``weights`` where they hold a parameter, else by its module's reset_parameters().
     """
-    return build_engine(model, config, optimizer, lr_scheduler)
+    return build_engine(model, config, optimizer, lr_scheduler, weights=weights)
 
 
 def build_engine(model: nn.Module, config, optimizer=None, lr_scheduler=None,
-                 engine_class: type = ZeroEngine) -> ZeroEngine:
+                 engine_class: type = ZeroEngine, weights=None) -> ZeroEngine:
     """``initialize`` building an ``engine_class`` (zeroengine.deepspeed's DeepSpeedEngine,
     a ZeroEngine with DeepSpeed's return conventions)."""
     if not isinstance(model, nn.Module):
@@ -141,6 +148,14 @@ def build_engine(model: nn.Module, config, optimizer=None, lr_scheduler=None,
     device = _device(env.local_rank)
     # the first collective: ranks that built different things stop here, all with the reason
     check_rank_consistency(model, config_as_built, __version__, comm, device)
+    if weights is not None or deferred_params.has_meta(model):
+        # before anything reads a value: a failed check raises on every rank, nothing loaded
+        replaced = deferred_params.bind(model, weights, device, comm)
+        if optimizer is not None and replaced:
+            deferred_params.remap_optimizer(optimizer, replaced)
+        for buf in model.buffers():
+            if deferred_params.is_deferred(buf):
+                deferred_params.load_whole(buf)
     first = next(model.parameters())
     resolve_auto(cfg, comm.world_size, str(first.dtype).replace("torch.", ""),
                  model_hidden_size(model))

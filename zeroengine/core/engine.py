@@ -49,6 +49,7 @@ from .precision import LossScaler, Precision
 from .sharded_optimizer import ShardedOptimizer, StepSettings
 from .sharding import Sharding
 from .step_clock import StepClock
+from .deferred_params import is_deferred
 from .zero_init import is_sharded
 
 class ZeroEngine(EngineQueries):
@@ -227,9 +228,11 @@ class ZeroEngine(EngineQueries):
 
     def _broadcast_module_state(self) -> None:
         """Rank 0's parameters and buffers to every rank."""
-        # zero_init parameters already hold rank 0's values, sharded
+        # zero_init parameters already hold rank 0's values, sharded; deferred ones (weights
+        # files, reset_parameters) get the same values on every rank when they are read
         self.comm.broadcast_many([t.data for t in list(self.module.parameters())
-                                  + list(self.module.buffers()) if not is_sharded(t)], src=0)
+                                  + list(self.module.buffers())
+                                  if not is_sharded(t) and not is_deferred(t)], src=0)
 
     def _broadcast_buffers(self, buffers: list[torch.Tensor]) -> None:
         self.comm.broadcast_many(buffers, src=0, what=lambda: f"module buffers ({len(buffers)}, "

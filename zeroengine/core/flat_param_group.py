@@ -40,7 +40,9 @@ class FlatParamGroup:
         ``compute_dtype``: the dtype the model computes in (default: the params' own).
         ``units``: stage 3's fetch unit per parameter; segments follow unit boundaries.
         ``value_of(p)``: a parameter's full value (default ``p.detach()``); called for every
-        parameter in order on every rank, so it may be a collective (zero_init).
+        parameter in order on every rank, so it may be a collective (zero_init). It may
+        instead return a reader ``(param_offset, numel) -> values`` that gives only the
+        pieces this rank keeps (weights read from files: deferred_params.py).
         ``offload_master`` / ``offload_shard``: keep the fp32 master / the partitioned shard in
         host memory. ``master_sink`` (an OptimizerSwap; with ``offload_master``): the master
         goes to the drive a segment at a time instead, never whole in memory. ``param_sink`` (a
@@ -142,7 +144,10 @@ class FlatParamGroup:
             for (sink, index, _), values in zip(sinks, staging):
                 sink.put(index, current, values)
         for index, p in enumerate(params):  # every parameter, in order, on every rank
-            source = value_of(p).reshape(-1)
+            source = value_of(p)
+            reader = source if callable(source) else None  # only this rank's pieces
+            if reader is None:
+                source = source.reshape(-1)
             if sinks and segment_of[index] != current:
                 if segment_of[index] < current:  # each segment is written once, whole
                     raise RuntimeError("segments do not follow parameter order (a bug)")
@@ -151,7 +156,8 @@ class FlatParamGroup:
                 seg = self.layout.segments[current]
                 staging = [torch.zeros(seg.chunk_numel, dtype=d) for _, _, d in sinks]
             for piece in by_param.get(index, ()):
-                values = source[piece.param_offset:piece.param_offset + piece.numel]
+                values = reader(piece.param_offset, piece.numel) if reader is not None \
+                    else source[piece.param_offset:piece.param_offset + piece.numel]
                 for shard in shards:
                     piece.of_shard(shard).copy_(values)
                 begin = piece.shard_offset - self.layout.segments[current].shard_offset \

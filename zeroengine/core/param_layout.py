@@ -14,6 +14,7 @@ from .flat_param_group import FlatParamGroup
 from .layout import bucket_params
 from .precision import Precision
 from .sharding import Sharding
+from . import deferred_params
 from .zero_init import is_sharded, make_whole, materialize
 
 
@@ -40,11 +41,15 @@ def lay_out_parameters(module: nn.Module, optimizer: torch.optim.Optimizer,
     to_partition = {id(p) for group in optimizer.param_groups for p in group["params"]
                     if sharding.parameters and p.requires_grad
                     and p.numel() >= limit}
-    for p in module.parameters():  # zero_init: whatever stays whole is made whole
+    for p in module.parameters():  # zero_init / deferred: whatever stays whole is made whole
         if is_sharded(p) and id(p) not in to_partition:
             make_whole(p, comm)
+        elif deferred_params.is_deferred(p) and id(p) not in to_partition:
+            deferred_params.load_whole(p)
 
     def value_of(p):  # a collective for zero_init parameters, called in the same order
+        if deferred_params.is_deferred(p):  # read from files / reset: this rank's pieces only
+            return lambda begin, numel: deferred_params.read_piece(p, begin, numel)
         if not is_sharded(p):
             return p.detach()
         full = materialize(p, comm)
@@ -74,12 +79,16 @@ def lay_out_parameters(module: nn.Module, optimizer: torch.optim.Optimizer,
                         offload_master=offload_master,
                         offload_shard=zero.offload_param.device in ("cpu", "nvme"),
                         pin=pin, master_sink=master_sink, param_sink=param_sink))
+                    for p in split:
+                        if deferred_params.is_deferred(p):
+                            deferred_params.done(p)
             if whole:
                 groups.append(FlatParamGroup(whole, gi, shard.rank, shard_world,
                                              bucket, device,
                                              compute_dtype=dtype,
                                              offload_master=offload_master, pin=pin,
                                              master_sink=master_sink))
+    deferred_params.finish()
     return groups
 
 

@@ -11,6 +11,11 @@ While the block is active:
 Code that writes a sharded parameter of a *child* directly in a parent's constructor is not
 covered; use ``apply`` or ``gathered_parameters`` for that.
 
+Parameters built on the meta device (transformers 5's ``from_pretrained`` builds there, then
+loads) are left on meta: ``from_pretrained`` binds each to its tensor in the checkpoint files
+instead of reading it (integrations/hf_pretrained.py), and ``initialize`` reads each rank's
+slices straight into its shard (deferred_params.py).
+
 ``initialize()`` then moves these per-parameter slices into its own layout, one parameter at a
 time (``materialize``), so its peak stays one parameter above the shards.
 """
@@ -24,6 +29,7 @@ import torch.nn as nn
 
 from ..config import parse_config
 from ..dist.comm import Comm, init_distributed
+from ..integrations import hf_pretrained
 from .sharding import Sharding
 
 _active: "ZeroInit | None" = None
@@ -70,7 +76,9 @@ class ZeroInit:
 
     def shard_module(self, module: nn.Module) -> None:
         for p in module.parameters():
-            if not is_sharded(p):
+            # meta parameters (transformers 5 builds on meta, then loads) have no values to
+            # shard: they are read from their files (or reset) at initialize
+            if not is_sharded(p) and not p.is_meta:
                 _shard(p, self.comm, self.device)
 
     def _wrap(self, cls: type) -> None:
@@ -119,11 +127,13 @@ class ZeroInit:
         self._saved_apply = nn.Module.apply
         nn.Module.apply = lambda module, fn: owner._apply(module, fn)
         _active = self
+        hf_pretrained.install()  # from_pretrained binds files instead of reading them
         return self
 
     def __exit__(self, *exc):
         global _active
         _active = None
+        hf_pretrained.uninstall()
         for cls, original in reversed(self._saved):
             cls.__init__ = original
         self._saved.clear()
