@@ -233,3 +233,31 @@ def test_stage3_ranks_read_only_their_slices(tmp_path):
     read = run_ranks(2, _bytes_read, path)
     assert sum(read) == total, (read, total)
     assert max(read) <= total * 0.6, (read, total)
+
+
+LAZY = """
+import torch, transformers
+from transformers import AutoModelForCausalLM   # modeling_utils not imported yet
+import zeroengine
+cfg = dict(train_micro_batch_size_per_gpu=1, zero_optimization=dict(stage=3))
+with zeroengine.zero_init(cfg):
+    model = AutoModelForCausalLM.from_pretrained(PATH)
+print("on meta:", sum(p.is_meta for p in model.parameters()))
+"""
+
+
+def test_zero_init_catches_from_pretrained_when_transformers_imported_lazily(tmp_path):
+    """`from transformers import AutoModelForCausalLM` alone does not load transformers'
+    modeling_utils; zero_init must still bind from_pretrained (it once read every weight
+    whole then)."""
+    import subprocess
+    import sys
+    path = save(str(tmp_path), "llama")
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(__import__(
+               "zeroengine.testing", fromlist=["x"]).free_port())}
+    done = subprocess.run([sys.executable, "-c", f"PATH = {path!r}\n" + LAZY], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = sum(1 for _ in LlamaForCausalLM(llama_config()).parameters())
+    assert f"on meta: {expected}" in done.stdout, done.stdout + done.stderr[-2000:]

@@ -34,10 +34,13 @@ def install() -> None:
     """Replace PreTrainedModel._load_pretrained_model while zero_init is active (if
     transformers is imported; a no-op otherwise)."""
     global _saved
+    import importlib
     import sys
-    modeling = sys.modules.get("transformers.modeling_utils")
-    if modeling is None or _saved is not None:
+    if "transformers" not in sys.modules or _saved is not None:
         return
+    # transformers imports its submodules lazily: `from transformers import AutoModel...`
+    # alone has not loaded modeling_utils yet
+    modeling = importlib.import_module("transformers.modeling_utils")
     cls = modeling.PreTrainedModel
     original = cls.__dict__.get("_load_pretrained_model")
     if not isinstance(original, staticmethod):  # another transformers: leave it alone
