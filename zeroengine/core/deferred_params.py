@@ -32,8 +32,11 @@ class FileSource:
     def __init__(self, files: WeightFiles, key: str):
         self.files, self.key = files, key
 
-    def piece(self, p: torch.Tensor, begin: int, numel: int) -> torch.Tensor:
-        return self.files.read(self.key, begin, torch.empty(numel, dtype=p.dtype))
+    def piece(self, p: torch.Tensor, begin: int, numel: int,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None or out.dtype != p.dtype:  # values rounded to the parameter's dtype
+            return self.files.read(self.key, begin, torch.empty(numel, dtype=p.dtype))
+        return self.files.read(self.key, begin, out)  # straight into the shard: no copy
 
     def whole(self, p: torch.Tensor) -> torch.Tensor:
         return self.files.read_full(self.key, p.dtype)
@@ -56,7 +59,8 @@ class ResetSource:
         ResetSource._cache = (id(self.module), values)
         return values
 
-    def piece(self, p: torch.Tensor, begin: int, numel: int) -> torch.Tensor:
+    def piece(self, p: torch.Tensor, begin: int, numel: int,
+              out: torch.Tensor | None = None) -> torch.Tensor:
         return self._values()[id(p)].reshape(-1)[begin:begin + numel]
 
     def whole(self, p: torch.Tensor) -> torch.Tensor:
@@ -67,8 +71,11 @@ def is_deferred(t: torch.Tensor) -> bool:
     return hasattr(t, "_ze_source")
 
 
-def read_piece(p: torch.Tensor, begin: int, numel: int) -> torch.Tensor:
-    return p._ze_source.piece(p, begin, numel)
+def read_piece(p: torch.Tensor, begin: int, numel: int,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Elements [begin, begin + numel) of ``p``'s flattened value, in ``p``'s dtype; read
+    into ``out`` (a CPU tensor) where the source can (then ``out`` is returned)."""
+    return p._ze_source.piece(p, begin, numel, out)
 
 
 def load_whole(t: torch.Tensor) -> None:

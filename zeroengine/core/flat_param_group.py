@@ -41,8 +41,9 @@ class FlatParamGroup:
         ``units``: stage 3's fetch unit per parameter; segments follow unit boundaries.
         ``value_of(p)``: a parameter's full value (default ``p.detach()``); called for every
         parameter in order on every rank, so it may be a collective (zero_init). It may
-        instead return a reader ``(param_offset, numel) -> values`` that gives only the
-        pieces this rank keeps (weights read from files: deferred_params.py).
+        instead return a reader ``(param_offset, numel, out=None) -> values`` that gives
+        only the pieces this rank keeps (weights read from files: deferred_params.py), into
+        ``out`` where it can.
         ``offload_master`` / ``offload_shard``: keep the fp32 master / the partitioned shard in
         host memory. ``master_sink`` (an OptimizerSwap; with ``offload_master``): the master
         goes to the drive a segment at a time instead, never whole in memory. ``param_sink`` (a
@@ -156,10 +157,16 @@ class FlatParamGroup:
                 seg = self.layout.segments[current]
                 staging = [torch.zeros(seg.chunk_numel, dtype=d) for _, _, d in sinks]
             for piece in by_param.get(index, ()):
-                values = reader(piece.param_offset, piece.numel) if reader is not None \
-                    else source[piece.param_offset:piece.param_offset + piece.numel]
+                if reader is not None:  # read straight into the first shard where it can
+                    first = piece.of_shard(shards[0]) \
+                        if shards and shards[0].device.type == "cpu" else None
+                    values = reader(piece.param_offset, piece.numel, first)
+                else:
+                    values = source[piece.param_offset:piece.param_offset + piece.numel]
                 for shard in shards:
-                    piece.of_shard(shard).copy_(values)
+                    target = piece.of_shard(shard)
+                    if target.data_ptr() != values.data_ptr():
+                        target.copy_(values)
                 begin = piece.shard_offset - self.layout.segments[current].shard_offset \
                     if sinks else 0
                 for buf in staging:

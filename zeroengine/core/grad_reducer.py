@@ -34,6 +34,7 @@ import torch
 from ..dist.comm import Comm
 from ..dist.handles import Handle
 from .flat_param_group import FlatParamGroup
+from .host_memory import zeros_on_demand
 from .layout import FlatBuffer
 from .sharding import Sharding
 
@@ -139,7 +140,7 @@ class GradReducer:
         # full buffer), or stage 1 reducing in another dtype. Otherwise the chunk of the full
         # buffer is the shard (stage 1 reduce-scatters in place; stage 0 owns everything).
         self.owned: list[torch.Tensor | None] = [
-            torch.zeros(g.layout.shard_numel, dtype=self._reduce_dtype(g), device=device)
+            zeros_on_demand(g.layout.shard_numel, self._reduce_dtype(g), device)
             if sharding.gradients or (sharding.optimizer_state and self._reduce_dtype(g) != g.dtype)
             else None
             for g in groups]

@@ -49,7 +49,8 @@ def lay_out_parameters(module: nn.Module, optimizer: torch.optim.Optimizer,
 
     def value_of(p):  # a collective for zero_init parameters, called in the same order
         if deferred_params.is_deferred(p):  # read from files / reset: this rank's pieces only
-            return lambda begin, numel: deferred_params.read_piece(p, begin, numel)
+            return lambda begin, numel, out=None: deferred_params.read_piece(p, begin, numel,
+                                                                             out)
         if not is_sharded(p):
             return p.detach()
         full = materialize(p, comm)
