@@ -287,3 +287,23 @@ def test_shape_mismatch_and_missing_files_refused_on_every_rank(tmp_path):
         assert "'norm.weight' has shape [25]" in message and "[24]" in message, message
     for message in run_ranks(2, _refused, TinyLM, str(tmp_path / "missing")):
         assert "no such file" in message, message
+
+
+def _bytes_read_whole(path: str, stage: int):
+    import zeroengine
+    zeroengine.init_distributed()
+    with torch.device("meta"):
+        model = TinyLM()
+    files = WeightFiles.open(path)
+    engine = zeroengine.initialize(model, config(stage), weights=files)
+    engine.close()
+    return files.bytes_read
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_whole_parameters_are_read_once_per_rank(tmp_path, stage):
+    """Stages 0-2 keep every parameter whole: each rank reads each tensor once, straight into
+    its flat buffer (no second copy, no second read)."""
+    state = save_reference(str(tmp_path))
+    total = sum(v.numel() * v.element_size() for v in state.values())
+    assert run_ranks(2, _bytes_read_whole, str(tmp_path), stage) == [total, total]

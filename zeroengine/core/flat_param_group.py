@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import flatten_into
 from .layout import FlatBuffer, FlatLayout, shard_segment_views
 
 
@@ -102,11 +101,22 @@ class FlatParamGroup:
                 full.untyped_storage().resize_(0)
                 self.segment_full.append(full)
         else:
+            # one parameter at a time: each original is released as soon as it is copied (the
+            # buffer's pages are taken as they are written), so the model is not held twice;
+            # a parameter still to be read from its files is read straight into its view
             self.full = FlatBuffer(self.layout, self.dtype, device)
-            flatten_into([p.detach() for p in params], self.full.data,
-                         [s.offset for s in self.layout.slots])
             for i, p in enumerate(params):
-                p.data = self.full.param_view(i)
+                view = self.full.param_view(i)
+                source = value_of(p) if value_of is not None else p.detach()
+                if callable(source):
+                    flat = view.view(-1)
+                    values = source(0, flat.numel(), flat if flat.device.type == "cpu"
+                                    else None)
+                    if values.data_ptr() != flat.data_ptr():
+                        flat.copy_(values)
+                else:
+                    view.copy_(source)
+                p.data = view
         segments = range(len(self.layout.segments))
         if self.master is None:
             self.master_segments = [self.chunk(s) for s in segments]

@@ -18,5 +18,7 @@ def zeros_on_demand(numel: int, dtype: torch.dtype, device: torch.device) -> tor
     nbytes = numel * itemsize
     if torch.device(device).type != "cpu" or nbytes < _ON_DEMAND_BYTES:
         return torch.zeros(numel, dtype=dtype, device=device)
-    # the tensor keeps the mapping alive (frombuffer holds a reference to it)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=numel)
+    # private (copy-on-write across a fork, as malloc'd memory is); the tensor keeps the
+    # mapping alive (frombuffer holds a reference to it)
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    return torch.frombuffer(mapping, dtype=dtype, count=numel)

@@ -26,6 +26,8 @@ from typing import Iterable, Sequence
 
 import torch
 
+from .host_memory import zeros_on_demand
+
 
 @dataclass(frozen=True)
 class ParamSlot:
@@ -155,7 +157,9 @@ class FlatBuffer:
 
     def __init__(self, layout: FlatLayout, dtype: torch.dtype, device: torch.device | str):
         self.layout = layout
-        self.data = torch.zeros(layout.numel, dtype=dtype, device=device)
+        # zero pages taken as written: a buffer filled a parameter at a time (or a gradient
+        # buffer first written by backward) does not count whole from the start
+        self.data = zeros_on_demand(layout.numel, dtype, torch.device(device))
 
     def param_view(self, index: int) -> torch.Tensor:
         slot = self.layout.slots[index]

@@ -41,11 +41,13 @@ def lay_out_parameters(module: nn.Module, optimizer: torch.optim.Optimizer,
     to_partition = {id(p) for group in optimizer.param_groups for p in group["params"]
                     if sharding.parameters and p.requires_grad
                     and p.numel() >= limit}
-    for p in module.parameters():  # zero_init / deferred: whatever stays whole is made whole
+    grouped = {id(p) for group in optimizer.param_groups for p in group["params"]
+               if p.requires_grad}
+    for p in module.parameters():  # zero_init: whatever stays whole is made whole
         if is_sharded(p) and id(p) not in to_partition:
             make_whole(p, comm)
-        elif deferred_params.is_deferred(p) and id(p) not in to_partition:
-            deferred_params.load_whole(p)
+        elif deferred_params.is_deferred(p) and id(p) not in grouped:
+            deferred_params.load_whole(p)  # frozen, or outside the optimizer: kept as it is
 
     def value_of(p):  # a collective for zero_init parameters, called in the same order
         if deferred_params.is_deferred(p):  # read from files / reset: this rank's pieces only
@@ -83,12 +85,15 @@ def lay_out_parameters(module: nn.Module, optimizer: torch.optim.Optimizer,
                     for p in split:
                         if deferred_params.is_deferred(p):
                             deferred_params.done(p)
-            if whole:
+            if whole:  # deferred parameters are read straight into the flat buffer
                 groups.append(FlatParamGroup(whole, gi, shard.rank, shard_world,
                                              bucket, device,
-                                             compute_dtype=dtype,
+                                             compute_dtype=dtype, value_of=value_of,
                                              offload_master=offload_master, pin=pin,
                                              master_sink=master_sink))
+                for p in whole:
+                    if deferred_params.is_deferred(p):
+                        deferred_params.done(p)
     deferred_params.finish()
     return groups
 
