@@ -437,3 +437,35 @@ def test_rng_states_left_alone_when_asked(saved_single):
     engine.load_checkpoint(str(root), tag="rng", load_rng_states=False)
     assert torch.equal(torch.get_rng_state(), states[0])
     assert (np.random.get_state()[1] == states[1]).all() and random.getstate() == states[2]
+
+
+def test_consolidate_writes_the_hugging_face_layout_a_file_at_a_time(tmp_path):
+    """--max-shard-size smaller than the model: several files and an index, as save_pretrained
+    writes them; the tensors equal the one-file output bitwise; --dtype casts."""
+    from safetensors.torch import load_file
+
+    from zeroengine.checkpoint.weight_files import WeightFiles
+    from zeroengine.tools.cli import main
+    states = run_ranks(2, save_runs, [(3, False)], str(tmp_path))[0]
+    one, many, half = tmp_path / "one", tmp_path / "many", tmp_path / "half"
+    assert main(["consolidate", str(tmp_path / "0"), str(one)]) == 0
+    assert main(["consolidate", str(tmp_path / "0"), str(many), "--max-shard-size", "1KB"]) == 0
+    assert main(["consolidate", str(tmp_path / "0"), str(half), "--dtype", "bf16",
+                 "--max-shard-size", "1KB"]) == 0
+    index = json.loads((many / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert sorted(os.listdir(many)) == sorted(files + ["model.safetensors.index.json"])
+    whole = load_file(str(one / "model.safetensors"))
+    assert index["metadata"]["total_size"] == sum(v.numel() * 4 for v in whole.values())
+    for path in files:  # at most 1 KB of tensors, or one tensor larger than that
+        held = load_file(str(many / path))
+        assert sum(v.numel() * 4 for v in held.values()) <= 1000 or len(held) == 1, path
+    sharded = WeightFiles.open(str(many))
+    assert set(sharded.entries) == set(whole)
+    for key, value in whole.items():
+        assert torch.equal(sharded.read_full(key), value), key
+        assert torch.equal(value, states[0][key].float()), key
+    halved = WeightFiles.open(str(half))
+    assert all(e.dtype == torch.bfloat16 for e in halved.entries.values())
+    assert main(["consolidate", str(tmp_path / "0"), str(half), "--max-shard-size", "x"]) == 2

@@ -319,3 +319,31 @@ def consolidated_state_dict(ckpt_dir: str) -> dict[str, torch.Tensor]:
             raise CheckpointError(f"{os.path.join(ckpt_dir, rank_file(0, 'pt'))} lacks the "
                                   f"module entry {key!r}")
     return out
+
+
+def write_consolidated(ckpt_dir: str, out_dir: str, max_shard_size="5GB",
+                       dtype: torch.dtype | None = None) -> list[str]:
+    """``consolidated_state_dict`` written in the Hugging Face layout a tensor at a time (peak:
+    about one output file plus one tensor, whatever the model's size). Every name of
+    model.state_dict() is written, tied parameters under each of theirs (a plain
+    load_state_dict(strict=True) accepts the result; from_pretrained ties them again).
+    ``dtype``: floating-point tensors cast to it (default: fp32 as saved)."""
+    from .hf_layout import ShardedWriter
+    meta = read_meta(ckpt_dir)
+    reader = ShardReader(ckpt_dir, meta)
+    extras = load_extras(verify(ckpt_dir, rank_file(0, "pt"), meta))
+    rest = extras.get("module_rest", {})
+    writer = ShardedWriter(out_dir, max_shard_size)
+    for key, canonical in meta["state_dict_keys"].items():
+        if canonical is not None:
+            value = reader.full_parameter(canonical)
+        elif key in rest:
+            value = rest[key]
+            value = value.float() if value.is_floating_point() else value
+        else:
+            raise CheckpointError(f"{os.path.join(ckpt_dir, rank_file(0, 'pt'))} lacks the "
+                                  f"module entry {key!r}")
+        if dtype is not None and value.is_floating_point():
+            value = value.to(dtype)
+        writer.add(key, value)
+    return writer.close()

@@ -483,6 +483,16 @@ class ZeroEngine(EngineQueries):
         from ..checkpoint.sharded import load_checkpoint
         return load_checkpoint(self, load_dir, tag, **options)
 
+    def save_pretrained(self, save_dir: str, max_shard_size="5GB", dtype=None) -> list[str]:
+        """Collective: the weights in the Hugging Face layout (``model.safetensors``, or
+        ``model-0000k-of-0000N.safetensors`` and ``model.safetensors.index.json``), with the
+        model's config.json when it is a transformers model; ``from_pretrained`` loads it.
+        Streamed: tensor by tensor, each rank writing its own files (file k: rank k mod
+        world) in a thread while the next are gathered; a rank holds about one output file.
+        ``dtype``: bf16/fp16/fp32 (default: the training dtype). Returns this rank's files."""
+        from ..checkpoint.hf_export import save_pretrained
+        return save_pretrained(self, save_dir, max_shard_size, dtype)
+
     def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors") -> bool:
         """Collective: rank 0 writes the model's weights in the compute dtype (bf16/fp16, or
         fp32 when that is what it trains in) as one safetensors file. At stage 3 this needs

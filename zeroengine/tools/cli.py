@@ -14,30 +14,29 @@ import sys
 
 
 def _consolidate(args) -> int:
-    from safetensors.torch import save_file
-
     from ..checkpoint import format as fmt
+    from ..checkpoint.hf_layout import parse_dtype, parse_size
     if args.tag is None and os.path.exists(os.path.join(args.checkpoint_dir, fmt.META)):
         path = args.checkpoint_dir  # given the checkpoint itself rather than its save_dir
     else:
         path = fmt.resolve(args.checkpoint_dir, args.tag)
-    state = fmt.consolidated_state_dict(path)
-    os.makedirs(args.out, exist_ok=True)
-    # safetensors refuses tensors sharing memory; every name gets its own contiguous copy
-    state = {k: v.contiguous().clone() for k, v in state.items()}
-    target = os.path.join(args.out, "model.safetensors")
-    save_file(state, target, metadata={"format": "pt"})
-    written = [target]
+    try:
+        limit, dtype = parse_size(args.max_shard_size), parse_dtype(args.dtype)
+    except ValueError as e:
+        print(f"zeroengine consolidate: {e}", file=sys.stderr)
+        return 2
+    # a tensor at a time, a file at a time: about one output file in memory
+    written = fmt.write_consolidated(path, args.out, limit, dtype)
     hf_config = fmt.read_meta(path).get("hf_config")
     if hf_config is not None:  # saved from a transformers model: make the directory loadable
         fmt.write_json_atomic(os.path.join(args.out, "config.json"), hf_config)
         written.append(os.path.join(args.out, "config.json"))
-    if args.pt:
+    if args.pt:  # one torch.save'd dict: this one holds the whole model in memory
         import torch
+        state = fmt.consolidated_state_dict(path)
         torch.save(state, os.path.join(args.out, "pytorch_model.pt"))
         written.append(os.path.join(args.out, "pytorch_model.pt"))
-    numel = sum(v.numel() for v in state.values())
-    print(f"{path}: {len(state)} tensors, {numel:,} elements (fp32) -> {', '.join(written)}")
+    print(f"{path} -> {', '.join(written)}")
     return 0
 
 
@@ -238,13 +237,18 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--runs-dir", default="runs")
     t.set_defaults(run=_train)
 
-    c = sub.add_parser("consolidate", help="write one fp32 state dict from a sharded checkpoint "
-                       "(any world size), as model.safetensors")
+    c = sub.add_parser("consolidate", help="write the model's weights from a sharded checkpoint "
+                       "(any world size) in the Hugging Face layout, a file at a time")
     c.add_argument("checkpoint_dir", help="the save_dir given to engine.save_checkpoint "
                    "(its latest tag is used), or one checkpoint directory in it")
     c.add_argument("out", help="output directory")
     c.add_argument("--tag", default=None, help="checkpoint tag (default: the latest)")
-    c.add_argument("--pt", action="store_true", help="also write pytorch_model.pt")
+    c.add_argument("--pt", action="store_true", help="also write pytorch_model.pt (holds "
+                   "the whole model in memory)")
+    c.add_argument("--max-shard-size", default="5GB", help="largest output file (e.g. 5GB, "
+                   "500MB, 2GiB; default 5GB): several files and model.safetensors.index.json "
+                   "when the model is larger, as save_pretrained writes")
+    c.add_argument("--dtype", default=None, help="fp32 (default, as saved), bf16 or fp16")
     c.set_defaults(run=_consolidate)
 
     k = sub.add_parser("check-config", help="validate a JSON config and print it resolved")
