@@ -301,24 +301,28 @@ class ShardReader:
         return out.view(shape)
 
 
-def consolidated_state_dict(ckpt_dir: str) -> dict[str, torch.Tensor]:
-    """The full fp32 model state dict a checkpoint holds, under every name of model.state_dict()
-    (tied parameters under each of their names), from the files alone."""
+def iter_consolidated(ckpt_dir: str):
+    """(name, fp32 value) for every name of model.state_dict() a checkpoint holds (tied
+    parameters under each of their names), from the files alone, one tensor at a time (each
+    a tensor of its own)."""
     meta = read_meta(ckpt_dir)
     reader = ShardReader(ckpt_dir, meta)
     extras = load_extras(verify(ckpt_dir, rank_file(0, "pt"), meta))
     rest = extras.get("module_rest", {})
-    out = {}
     for key, canonical in meta["state_dict_keys"].items():
         if canonical is not None:
-            out[key] = reader.full_parameter(canonical).clone()
+            yield key, reader.full_parameter(canonical)
         elif key in rest:
             value = rest[key]
-            out[key] = value.float() if value.is_floating_point() else value
+            yield key, value.float() if value.is_floating_point() else value
         else:
             raise CheckpointError(f"{os.path.join(ckpt_dir, rank_file(0, 'pt'))} lacks the "
                                   f"module entry {key!r}")
-    return out
+
+
+def consolidated_state_dict(ckpt_dir: str) -> dict[str, torch.Tensor]:
+    """The full fp32 model state dict a checkpoint holds (``iter_consolidated``, kept)."""
+    return dict(iter_consolidated(ckpt_dir))
 
 
 def write_consolidated(ckpt_dir: str, out_dir: str, max_shard_size="5GB",
@@ -329,20 +333,8 @@ def write_consolidated(ckpt_dir: str, out_dir: str, max_shard_size="5GB",
     load_state_dict(strict=True) accepts the result; from_pretrained ties them again).
     ``dtype``: floating-point tensors cast to it (default: fp32 as saved)."""
     from .hf_layout import ShardedWriter
-    meta = read_meta(ckpt_dir)
-    reader = ShardReader(ckpt_dir, meta)
-    extras = load_extras(verify(ckpt_dir, rank_file(0, "pt"), meta))
-    rest = extras.get("module_rest", {})
     writer = ShardedWriter(out_dir, max_shard_size)
-    for key, canonical in meta["state_dict_keys"].items():
-        if canonical is not None:
-            value = reader.full_parameter(canonical)
-        elif key in rest:
-            value = rest[key]
-            value = value.float() if value.is_floating_point() else value
-        else:
-            raise CheckpointError(f"{os.path.join(ckpt_dir, rank_file(0, 'pt'))} lacks the "
-                                  f"module entry {key!r}")
+    for key, value in iter_consolidated(ckpt_dir):
         if dtype is not None and value.is_floating_point():
             value = value.to(dtype)
         writer.add(key, value)

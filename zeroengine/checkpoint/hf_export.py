@@ -18,7 +18,7 @@ import torch
 
 from ..core.compiled import uncompiled
 from . import format as fmt
-from .hf_layout import INDEX, SINGLE, parse_dtype, parse_size
+from .hf_layout import INDEX, file_names, parse_dtype, parse_size, write_index
 
 
 class _Writer:
@@ -84,6 +84,7 @@ def save_pretrained(engine, save_dir: str, max_shard_size="5GB", dtype=None) -> 
     module = uncompiled(engine.module)
     state = module.state_dict(keep_vars=True)
     where = {id(p): (fg, i) for fg in engine.flat_groups for i, p in enumerate(fg.params)}
+    pieces = _pieces_by_param(engine.flat_groups)
     itemsize = torch.empty(0, dtype=dtype).element_size()
 
     def out_dtype(t: torch.Tensor) -> torch.dtype:
@@ -93,8 +94,7 @@ def save_pretrained(engine, save_dir: str, max_shard_size="5GB", dtype=None) -> 
              for name, t in state.items()]
     files = plan_files(sizes, limit)
     count = len(files)
-    names = [SINGLE] if count == 1 else \
-        [f"model-{k + 1:05d}-of-{count:05d}.safetensors" for k in range(count)]
+    names = file_names(count)
     rank, world = engine.comm.rank, engine.comm.world_size
     os.makedirs(save_dir, exist_ok=True)
     writer, written = _Writer(), []
@@ -103,7 +103,7 @@ def save_pretrained(engine, save_dir: str, max_shard_size="5GB", dtype=None) -> 
         tensors = {}
         for name in keys:
             t = state[name]
-            value = _gather_master(engine, shard, where[id(t)], rank) if id(t) in where \
+            value = _gather_master(shard, where[id(t)], rank, pieces) if id(t) in where \
                 else t.detach().to("cpu")
             if mine:  # a tensor of its own (safetensors writes whole storages)
                 value = value.to(out_dtype(t))
@@ -120,12 +120,8 @@ def save_pretrained(engine, save_dir: str, max_shard_size="5GB", dtype=None) -> 
     if rank == 0:
         total = sum(n for _, n in sizes)
         if count > 1:
-            index = os.path.join(save_dir, INDEX)
-            fmt.write_json_atomic(index, {
-                "metadata": {"total_size": total},
-                "weight_map": {name: names[k] for k, keys in enumerate(files)
-                               for name in keys}})
-            written.append(index)
+            written.append(write_index(save_dir, total, {name: names[k] for k, keys
+                                                         in enumerate(files) for name in keys}))
         else:
             stale = os.path.join(save_dir, INDEX)  # an earlier sharded export here
             if os.path.exists(stale):
@@ -135,29 +131,35 @@ def save_pretrained(engine, save_dir: str, max_shard_size="5GB", dtype=None) -> 
     return written
 
 
-def _gather_master(engine, shard, located, rank: int) -> torch.Tensor:
+def _pieces_by_param(groups) -> dict[tuple[int, int], list]:
+    """(id(group), parameter index) -> [(owner rank, piece)] for every sharded group, computed
+    once per save (shard_pieces walks the whole layout)."""
+    found: dict[tuple[int, int], list] = {}
+    for fg in groups:
+        if fg.sharded:
+            for owner in range(fg.layout.world_size):
+                for piece in fg.layout.shard_pieces(owner):
+                    found.setdefault((id(fg), piece.param), []).append((owner, piece))
+    return found
+
+
+def _gather_master(shard, located, rank: int, pieces: dict) -> torch.Tensor:
     """One managed parameter's whole fp32 master, on every rank: each piece broadcast from
     the rank holding it (collective, in the same order on every rank)."""
     fg, i = located
     slot = fg.layout.slots[i]
+    seg = fg.layout.segments[slot.segment]
+    master = fg.master_segments[slot.segment]
     full = torch.empty(slot.numel, dtype=torch.float32, device=fg.device)
     if not fg.sharded:
-        seg = fg.layout.segments[slot.segment]
-        full.copy_(fg.master_segments[slot.segment][seg.local(slot)].reshape(-1))
+        full.copy_(master[seg.local(slot)].reshape(-1))
         return full.cpu().view(slot.shape)
-    for owner in range(fg.layout.world_size):
-        for piece in fg.layout.shard_pieces(owner):
-            if piece.param != i:
-                continue
-            out = full[piece.param_offset:piece.param_offset + piece.numel]
-            if owner == rank:
-                seg = fg.layout.segments[fg.layout.slots[i].segment]
-                local = piece.shard_offset - seg.shard_offset
-                out.copy_(fg.master_segments[slot.segment][local:local + piece.numel])
-            buf = out if out.is_contiguous() else out.contiguous()
-            shard.broadcast(buf, src=owner, what=lambda: "save_pretrained")
-            if buf is not out:
-                out.copy_(buf)
+    for owner, piece in pieces[(id(fg), i)]:
+        out = full[piece.param_offset:piece.param_offset + piece.numel]  # contiguous
+        if owner == rank:
+            local = piece.shard_offset - seg.shard_offset
+            out.copy_(master[local:local + piece.numel])
+        shard.broadcast(out, src=owner, what=lambda: "save_pretrained")
     return full.cpu().view(slot.shape)
 
 

@@ -10,7 +10,6 @@ directory without its index (or ``model.safetensors``) is a write that did not f
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 
@@ -45,6 +44,20 @@ def parse_dtype(dtype) -> torch.dtype | None:
     if str(dtype).lower() not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: one of {', '.join(sorted(DTYPES))}")
     return DTYPES[str(dtype).lower()]
+
+
+def file_names(count: int) -> list[str]:
+    """The names of ``count`` weight files, as save_pretrained names them."""
+    return [SINGLE] if count == 1 else \
+        [f"model-{k + 1:05d}-of-{count:05d}.safetensors" for k in range(count)]
+
+
+def write_index(out_dir: str, total_size: int, weight_map: dict[str, str]) -> str:
+    """``model.safetensors.index.json`` (written atomically, last: it names finished files)."""
+    from .format import write_json_atomic
+    index = os.path.join(out_dir, INDEX)
+    write_json_atomic(index, {"metadata": {"total_size": total_size}, "weight_map": weight_map})
+    return index
 
 
 class ShardedWriter:
@@ -87,20 +100,12 @@ class ShardedWriter:
         """Write what is left, name the files, write the index; returns the files written."""
         if self._pending or not self._parts:
             self._flush()
-        count = len(self._parts)
-        if count == 1:
-            target = os.path.join(self.out_dir, SINGLE)
-            os.replace(self._parts[0][0], target)
-            return [target]
+        names = file_names(len(self._parts))
         weight_map, written = {}, []
-        for k, (part, keys) in enumerate(self._parts):
-            name = f"model-{k + 1:05d}-of-{count:05d}.safetensors"
+        for name, (part, keys) in zip(names, self._parts):
             os.replace(part, os.path.join(self.out_dir, name))
             weight_map.update({key: name for key in keys})
             written.append(os.path.join(self.out_dir, name))
-        index = os.path.join(self.out_dir, INDEX)
-        with open(index + ".tmp", "w") as f:
-            json.dump({"metadata": {"total_size": self.total_size},
-                       "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
-        os.replace(index + ".tmp", index)
-        return written + [index]
+        if len(names) > 1:
+            written.append(write_index(self.out_dir, self.total_size, weight_map))
+        return written

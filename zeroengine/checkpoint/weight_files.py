@@ -50,6 +50,15 @@ class TensorEntry:
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    def check_shape(self, shape, owner: str) -> None:
+        """Refuse to load this tensor into ``owner`` (e.g. "LlamaForCausalLM's 'lm_head.weight'")
+        of another shape, naming both."""
+        if tuple(self.shape) != tuple(shape):
+            raise WeightsError(
+                f"{self.file}: {self.key!r} has shape {list(self.shape)} but {owner} has shape "
+                f"{list(shape)}: the checkpoint is for another configuration of the model "
+                "(check the config the model was built from)")
+
 
 def read_header(file: str) -> dict[str, TensorEntry]:
     """The tensors one safetensors file holds (its header only), checked against its size."""

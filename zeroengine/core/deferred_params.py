@@ -165,13 +165,7 @@ def _plan(model: nn.Module, files: WeightFiles | None) -> list:
     for tid, t in tensors.items():
         key = next((n for n in names[tid] if files is not None and n in files), None)
         if key is not None:
-            entry = files.entry(key)
-            if tuple(entry.shape) != tuple(t.shape):
-                raise WeightsError(
-                    f"{entry.file}: {key!r} has shape {list(entry.shape)} but the model's "
-                    f"{names[tid][0]!r} has shape {list(t.shape)}: the checkpoint is for "
-                    "another configuration of the model (check the config the model was "
-                    "built from)")
+            files.entry(key).check_shape(t.shape, f"the model's {names[tid][0]!r}")
             used.update(n for n in names[tid] if n in files)
             plan.append((t, FileSource(files, key)))
         elif t.is_meta and is_deferred(t):  # bound already (from_pretrained under zero_init)

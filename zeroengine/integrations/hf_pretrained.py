@@ -24,7 +24,7 @@ import functools
 import os
 import warnings
 
-from ..checkpoint.weight_files import WeightFiles, WeightsError, read_header
+from ..checkpoint.weight_files import WeightFiles, read_header
 from ..core.deferred_params import FileSource
 
 _saved = None
@@ -119,12 +119,8 @@ def _bind(model, files: WeightFiles):
         elif prefix and key.startswith(prefix + ".") and key[len(prefix) + 1:] in expected:
             target_of[key] = key[len(prefix) + 1:]
     for key, name in target_of.items():
-        entry, tensor = files.entry(key), expected[name]
-        if tuple(entry.shape) != tuple(tensor.shape):
-            raise WeightsError(
-                f"{entry.file}: {key!r} has shape {list(entry.shape)} but "
-                f"{type(model).__name__}'s {name!r} has shape {list(tensor.shape)}: the "
-                "checkpoint is for another configuration of the model")
+        files.entry(key).check_shape(expected[name].shape,
+                                     f"{type(model).__name__}'s {name!r}")
     loaded = set()
     for key, name in target_of.items():
         tensor = expected[name]
