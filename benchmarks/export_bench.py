@@ -6,8 +6,8 @@ Hugging Face layout at --max-shard-size 1/8 of the fp32 model:
 - save_pretrained: ``engine.save_pretrained(dir, max_shard_size)`` from the live engine, every
   rank writing its own files (peak RSS rise per rank, the worst rank shown);
 - consolidate: ``zeroengine consolidate ckpt out --max-shard-size`` on the checkpoint
-  ``save_checkpoint`` wrote, in its own process (its peak RSS above a bare interpreter that
-  imported the same modules);
+  ``save_checkpoint`` wrote, in its own process (its peak RSS above that process's RSS once
+  it imported the same modules, the high-water mark reset there);
 - DeepSpeed's ``save_16bit_model`` from a DeepSpeed stage-3 engine of the same model (fp32:
   what it gathers on rank 0), and its ``zero_to_fp32`` conversion of its checkpoint
   (``convert_zero_checkpoint_to_fp32_state_dict``), in its own
@@ -119,30 +119,40 @@ def _deepspeed(path: str, out: str) -> dict:
     return result
 
 
-CONSOLIDATE = """
-import resource, sys, time, os
+# The peak is measured from a reset high-water mark (clear_refs 5), not ru_maxrss: the
+# imports' own transient peak would otherwise hide a rise smaller than it.
+_PEAK = """
+def _status(field):
+    with open("/proc/self/status") as f:
+        return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith(field + ":"))
+def _mark():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status("VmRSS")
+"""
+
+CONSOLIDATE = _PEAK + """
+import sys, time, os
 sys.argv = {argv!r}
 import torch, zeroengine
 from zeroengine.tools import cli
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+base = _mark()
 start = time.perf_counter()
 if {run!r}:
     cli.main(sys.argv[1:])
-print("RESULT", base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-      time.perf_counter() - start)
+print("RESULT", base, _status("VmHWM"), time.perf_counter() - start)
 """
 
-ZERO_TO_FP32 = """
-import resource, sys, time
+ZERO_TO_FP32 = _PEAK + """
+import sys, time
 import torch
 from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+base = _mark()
 start = time.perf_counter()
 if {run!r}:
     convert_zero_checkpoint_to_fp32_state_dict({ckpt!r}, {out!r}, max_shard_size={size!r},
                                                safe_serialization=False, tag="t")
-print("RESULT", base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-      time.perf_counter() - start)
+print("RESULT", base, _status("VmHWM"), time.perf_counter() - start)
 """
 
 

@@ -242,26 +242,35 @@ class StreamedSafetensors:
 
 
 class ShardReader:
-    """Reads ranges of the saved shards, opening (and verifying) each rank file once."""
+    """Reads ranges of the saved shards, opening (and verifying) each rank file once. Reads go
+    through ``WeightFiles`` (pread of exact element ranges) rather than a memory map, so reading
+    a model a tensor at a time does not leave the rank files' pages counted in this process's
+    resident set: ``consolidate``'s peak stays about one output file plus one tensor."""
 
     def __init__(self, ckpt_dir: str, meta: dict):
         self.dir = ckpt_dir
         self.meta = meta
         self._open: dict[int, object] = {}
-        self._names: dict[int, list[str]] = {}
 
     def _file(self, rank: int):
-        handle = self._open.get(rank)
-        if handle is None:
-            from safetensors import safe_open
+        files = self._open.get(rank)
+        if files is None:
+            from .weight_files import WeightFiles, WeightsError, read_header
             path = verify(self.dir, rank_file(rank, "safetensors"), self.meta)
             try:
-                handle = safe_open(path, framework="pt", device="cpu")
-            except Exception as err:
+                files = WeightFiles(path, read_header(path))
+            except WeightsError as err:
                 raise CheckpointError(f"{path} is not a readable safetensors file: "
                                       f"{err}") from None
-            self._open[rank] = handle
-        return handle
+            self._open[rank] = files
+        return files
+
+    def _checked(self, rank: int, name: str):
+        files = self._file(rank)
+        if name not in files:
+            path = os.path.join(self.dir, rank_file(rank, "safetensors"))
+            raise CheckpointError(f"{path} has no tensor {name!r}")
+        return files
 
     def read(self, group_index: int, key: str, flat_begin: int, numel: int,
              out: torch.Tensor) -> None:
@@ -270,23 +279,20 @@ class ShardReader:
         group = self.meta["groups"][group_index]
         name = f"{group_index}.{key}"
         for piece in locate(group, flat_begin, numel):
-            handle = self._file(piece.rank)
-            try:
-                source = handle.get_slice(name)[piece.shard_offset:
-                                                piece.shard_offset + piece.numel]
-            except Exception as err:
-                path = os.path.join(self.dir, rank_file(piece.rank, "safetensors"))
-                raise CheckpointError(f"{path} has no readable tensor {name!r}: {err}") from None
-            out[piece.out_offset:piece.out_offset + piece.numel].copy_(source)
+            files = self._checked(piece.rank, name)
+            target = out[piece.out_offset:piece.out_offset + piece.numel]
+            if target.device.type == "cpu" and target.is_contiguous():
+                files.read(name, piece.shard_offset, target)  # straight into place
+            else:
+                staged = torch.empty(piece.numel, dtype=target.dtype)
+                target.copy_(files.read(name, piece.shard_offset, staged))
 
     def tensors_with_prefix(self, rank: int, prefix: str) -> dict[str, torch.Tensor]:
         """Every tensor of ``rank``'s file whose name starts with ``prefix``, by the rest of
         its name (tensor-wise optimizer state: one parameter's keys)."""
-        handle = self._file(rank)
-        names = self._names.get(rank)
-        if names is None:
-            names = self._names[rank] = sorted(handle.keys())
-        return {n[len(prefix):]: handle.get_tensor(n) for n in names if n.startswith(prefix)}
+        files = self._file(rank)
+        return {n[len(prefix):]: files.read_full(n) for n in sorted(files.entries)
+                if n.startswith(prefix)}
 
     def full_parameter(self, name: str, key: str = "master") -> torch.Tensor:
         """One parameter's whole saved value (fp32), by name."""
