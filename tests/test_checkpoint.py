@@ -359,34 +359,52 @@ def test_consolidate_reports_a_missing_checkpoint(tmp_path, capsys):
     assert "latest does not exist" in capsys.readouterr().err
 
 
-def export_16bit(root, stage, gather):
+def export_16bit(root, stage, gather, filename):
     engine = new_engine(stage, precision="bf16",
                         stage3_gather_16bit_weights_on_model_save=gather)
     run_step(engine, 0, 1)
     import warnings
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        wrote = engine.save_16bit_model(root)
+        wrote = engine.save_16bit_model(root, filename)
     full = engine.consolidated_state_dict()
     return wrote, [str(w.message) for w in caught], full
 
 
-@pytest.mark.parametrize("stage,gather", [(2, False), (3, True), (3, False)])
-def test_save_16bit_model(tmp_path, stage, gather):
-    wrote, warned, full = run_ranks(2, export_16bit, str(tmp_path), stage, gather)[0]
-    path = tmp_path / "model.safetensors"
+@pytest.mark.parametrize("stage,gather,world,filename", [
+    (2, False, 2, "model.safetensors"), (3, True, 2, "model.safetensors"),
+    (3, False, 2, "model.safetensors"), (3, True, 3, "pytorch_model.bin"),
+    (1, False, 1, "pytorch_model.bin")])
+def test_save_16bit_model(tmp_path, stage, gather, world, filename):
+    """Streamed to one file by rank 0 (safetensors), or DeepSpeed's torch.save'd
+    pytorch_model.bin: every key of the model's state_dict, bf16, equal to the engine's
+    fp32 values rounded once, loadable strictly."""
+    wrote, warned, full = run_ranks(world, export_16bit, str(tmp_path), stage, gather,
+                                    filename)[0]
+    path = tmp_path / filename
     if stage == 3 and not gather:
         assert wrote is False and not path.exists()
         assert any("stage3_gather_16bit_weights_on_model_save" in w for w in warned)
         return
-    from safetensors.torch import load_file
     assert wrote is True
-    loaded = load_file(str(path))
+    assert not list(tmp_path.glob("*.tmp"))
+    if filename.endswith(".safetensors"):
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+        loaded = load_file(str(path))
+        with safe_open(str(path), framework="pt") as f:
+            assert f.metadata() == {"format": "pt"}  # what transformers asks of the file
+    else:
+        loaded = torch.load(str(path), weights_only=True)
+        assert loaded["embed.weight"] is loaded["head.weight"]  # tied: one tensor, two names
     make_model().load_state_dict(loaded, strict=True)
+    assert set(loaded) == set(full)
     for key, value in loaded.items():
         if full[key].is_floating_point():
             assert value.dtype == torch.bfloat16
             assert torch.equal(value, full[key].to(torch.bfloat16)), key
+        else:
+            assert torch.equal(value, full[key]), key
 
 
 # -- crash resume under torchrun ------------------------------------------------------------------

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import struct
@@ -211,14 +212,21 @@ class StreamedSafetensors:
     written read as zeros."""
 
     _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
-               torch.float64: "F64", torch.int64: "I64", torch.int32: "I32"}
+               torch.float64: "F64", torch.int64: "I64", torch.int32: "I32",
+               torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 
-    def __init__(self, path: str, specs: list[tuple[str, torch.dtype, int]]):
-        """``specs``: (name, dtype, numel) of every tensor, 1-D."""
+    def __init__(self, path: str, specs: list[tuple[str, torch.dtype, int | tuple]],
+                 metadata: dict[str, str] | None = None):
+        """``specs``: (name, dtype, numel or shape) of every tensor (a numel: 1-D);
+        ``metadata``: the header's ``__metadata__`` (transformers wants {"format": "pt"})."""
         header, self._where, end = {}, {}, 0
-        for name, dtype, numel in specs:
+        if metadata:
+            header["__metadata__"] = metadata
+        for name, dtype, shape in specs:
+            shape = [shape] if isinstance(shape, int) else list(shape)
+            numel = math.prod(shape)
             itemsize = torch.empty(0, dtype=dtype).element_size()
-            header[name] = {"dtype": self._DTYPES[dtype], "shape": [numel],
+            header[name] = {"dtype": self._DTYPES[dtype], "shape": shape,
                             "data_offsets": [end, end + numel * itemsize]}
             self._where[name] = (end, itemsize, dtype)
             end += numel * itemsize

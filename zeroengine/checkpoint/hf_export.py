@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 
 import torch
 
@@ -67,24 +68,54 @@ def plan_files(sizes: list[tuple[str, int]], limit: int) -> list[list[str]]:
     return files
 
 
+def _refuse_unstreamable(engine, what: str) -> None:
+    if engine.optimizer.swap is not None:
+        raise NotImplementedError(
+            f"{what} with the optimizer state on NVMe (offload_optimizer.device 'nvme') is not "
+            "streamed yet: save_checkpoint(dir), then `zeroengine consolidate dir out/ "
+            "--max-shard-size ... --dtype ...` writes the Hugging Face layout")
+    shard = engine.topology.shard
+    if shard.world_size not in (1, engine.comm.world_size):
+        raise NotImplementedError(
+            f"{what} under hybrid sharding (zero_hpz / mics groups) is not streamed yet: "
+            "save_checkpoint(dir), then `zeroengine consolidate dir out/`")
+
+
+class _Gatherer:
+    """Whole values of the model's state_dict entries, one at a time (collective: every rank
+    asks for the same names in the same order; fp32 masters of managed parameters, the
+    module's own tensors for buffers and frozen parameters)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.state = uncompiled(engine.module).state_dict(keep_vars=True)
+        self._where = {id(p): (fg, i) for fg in engine.flat_groups
+                       for i, p in enumerate(fg.params)}
+        self._pieces = _pieces_by_param(engine.flat_groups)
+
+    def value(self, name: str) -> torch.Tensor:
+        t = self.state[name]
+        if id(t) in self._where:
+            return _gather_master(self.engine.topology.shard, self._where[id(t)],
+                                  self.engine.comm.rank, self._pieces)
+        return t.detach().to("cpu")
+
+
+def _owning(value: torch.Tensor) -> torch.Tensor:
+    """``value`` as a tensor owning its whole storage (what safetensors writes)."""
+    if not value.is_contiguous() or value.untyped_storage().nbytes() != \
+            value.numel() * value.element_size():
+        value = value.contiguous().clone()
+    return value
+
+
 def save_pretrained(engine, save_dir: str, max_shard_size="5GB", dtype=None) -> list[str]:
     """Collective. Returns the files this rank wrote (rank 0: also the index and config)."""
     dtype = parse_dtype(dtype) or engine.precision.compute
     limit = parse_size(max_shard_size)
-    if engine.optimizer.swap is not None:
-        raise NotImplementedError(
-            "save_pretrained with the optimizer state on NVMe (offload_optimizer.device "
-            "'nvme') is not streamed yet: save_checkpoint(dir), then `zeroengine consolidate "
-            "dir out/ --max-shard-size ... --dtype ...` writes the same layout")
-    shard = engine.topology.shard
-    if shard.world_size not in (1, engine.comm.world_size):
-        raise NotImplementedError(
-            "save_pretrained under hybrid sharding (zero_hpz / mics groups) is not streamed "
-            "yet: save_checkpoint(dir), then `zeroengine consolidate dir out/`")
-    module = uncompiled(engine.module)
-    state = module.state_dict(keep_vars=True)
-    where = {id(p): (fg, i) for fg in engine.flat_groups for i, p in enumerate(fg.params)}
-    pieces = _pieces_by_param(engine.flat_groups)
+    _refuse_unstreamable(engine, "save_pretrained")
+    gather = _Gatherer(engine)
+    state = gather.state
     itemsize = torch.empty(0, dtype=dtype).element_size()
 
     def out_dtype(t: torch.Tensor) -> torch.dtype:
@@ -102,15 +133,9 @@ def save_pretrained(engine, save_dir: str, max_shard_size="5GB", dtype=None) -> 
         mine = k % world == rank
         tensors = {}
         for name in keys:
-            t = state[name]
-            value = _gather_master(shard, where[id(t)], rank, pieces) if id(t) in where \
-                else t.detach().to("cpu")
-            if mine:  # a tensor of its own (safetensors writes whole storages)
-                value = value.to(out_dtype(t))
-                if not value.is_contiguous() or value.untyped_storage().nbytes() != \
-                        value.numel() * value.element_size():
-                    value = value.contiguous().clone()
-                tensors[name] = value
+            value = gather.value(name)
+            if mine:
+                tensors[name] = _owning(value.to(out_dtype(state[name])))
         if mine:
             path = os.path.join(save_dir, names[k])
             writer.write(tensors, path)
@@ -126,9 +151,74 @@ def save_pretrained(engine, save_dir: str, max_shard_size="5GB", dtype=None) -> 
             stale = os.path.join(save_dir, INDEX)  # an earlier sharded export here
             if os.path.exists(stale):
                 os.remove(stale)
-        written += _save_configs(module, save_dir, dtype)
+        written += _save_configs(uncompiled(engine.module), save_dir, dtype)
     engine.comm.barrier()
     return written
+
+
+def save_16bit_model(engine, save_dir: str, filename: str = "model.safetensors") -> bool:
+    """Collective: DeepSpeed's ``save_16bit_model``, one file written by rank 0 with the whole
+    model in the compute dtype (tied parameters under each of their names, so strict
+    load_state_dict and from_pretrained accept it), gathered a tensor at a time.
+
+    A ``.safetensors`` name is streamed: the header first, then each tensor written in place
+    as it arrives, so no rank holds more than one tensor. Any other name (DeepSpeed's default
+    ``pytorch_model.bin``) is a torch.save'd state dict, which pickles the dict whole: rank 0
+    holds the model in 16 bits (what DeepSpeed holds), the others one tensor. With the
+    optimizer on NVMe or under hybrid sharding, the whole fp32 model is gathered on every rank
+    first (not streamed there yet). At stage 3 this needs
+    ``stage3_gather_16bit_weights_on_model_save``, as in DeepSpeed: without it nothing is
+    written and False is returned."""
+    zero = engine.config.zero_optimization
+    if engine.sharding.parameters and not zero.stage3_gather_16bit_weights_on_model_save:
+        warnings.warn("save_16bit_model at stage 3 needs zero_optimization."
+                      "stage3_gather_16bit_weights_on_model_save=true (the weights are sharded); "
+                      "nothing was saved. save_pretrained(dir) writes them streamed without it, "
+                      "and `zeroengine consolidate` builds them from a checkpoint",
+                      stacklevel=3)
+        return False
+    dtype = engine.precision.compute
+    rank0 = engine.comm.rank == 0
+    try:
+        _refuse_unstreamable(engine, "save_16bit_model")
+        full = None
+    except NotImplementedError:
+        full = engine.consolidated_state_dict()  # collective: fp32 on every rank
+    gather = None if full is not None else _Gatherer(engine)
+    state = uncompiled(engine.module).state_dict(keep_vars=True)
+    values = ((name, full[name] if full is not None else gather.value(name))
+              for name in state)
+
+    def out_dtype(t: torch.Tensor) -> torch.dtype:
+        return dtype if t.is_floating_point() else t.dtype
+
+    path = os.path.join(save_dir, filename)
+    if rank0:
+        os.makedirs(save_dir, exist_ok=True)
+    if filename.endswith(".safetensors"):
+        out = fmt.StreamedSafetensors(path + ".tmp", [(n, out_dtype(t), tuple(t.shape)) for n, t
+                                                      in state.items()],
+                                      metadata={"format": "pt"}) if rank0 else None
+        for name, value in values:
+            if rank0:
+                out.write(name, 0, value)  # cast to the header's dtype there
+        if rank0:
+            out.close()
+    else:
+        kept, by_id = {}, {}
+        for name, value in values:
+            if rank0:  # tied names share one tensor, as in the model's own state_dict
+                key = id(state[name])
+                if key not in by_id:
+                    by_id[key] = value.to(out_dtype(state[name])).contiguous()
+                kept[name] = by_id[key]
+        if rank0:
+            torch.save(kept, path + ".tmp")
+    if rank0:
+        fmt.fsync_file(path + ".tmp")
+        os.replace(path + ".tmp", path)
+    engine.comm.barrier()
+    return True
 
 
 def _pieces_by_param(groups) -> dict[tuple[int, int], list]:

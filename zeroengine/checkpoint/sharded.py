@@ -420,36 +420,3 @@ def _load_module_rest(engine, rest: dict, path: str) -> None:
                               stacklevel=3)
                 continue
             value.copy_(rest[key])
-
-
-# -- 16-bit model export ---------------------------------------------------------------------------
-def save_16bit_model(engine, save_dir: str, filename: str = "model.safetensors") -> bool:
-    """Collective: the whole model in its compute dtype, written by rank 0 (tied parameters
-    under each of their names, so strict load_state_dict and from_pretrained accept it). A
-    ``.safetensors`` name is written as safetensors, any other (DeepSpeed's default
-    ``pytorch_model.bin``) as torch.save of the state dict, which is what a reader of that
-    name loads."""
-    from safetensors.torch import save_file
-    zero = engine.config.zero_optimization
-    if engine.sharding.parameters and not zero.stage3_gather_16bit_weights_on_model_save:
-        warnings.warn("save_16bit_model at stage 3 needs zero_optimization."
-                      "stage3_gather_16bit_weights_on_model_save=true (the weights are sharded); "
-                      "nothing was saved. `zeroengine consolidate` builds them from a checkpoint",
-                      stacklevel=3)
-        return False
-    full = engine.consolidated_state_dict()  # collective: fp32 values on every rank
-    if engine.comm.rank == 0:
-        dtype = engine.precision.compute
-        own = uncompiled(engine.module).state_dict(keep_vars=True)
-        out = {k: (v.to(dtype) if v.is_floating_point() and own[k].is_floating_point() else v)
-               .contiguous().clone() for k, v in full.items()}
-        os.makedirs(save_dir, exist_ok=True)
-        path = os.path.join(save_dir, filename)
-        if filename.endswith(".safetensors"):
-            save_file(out, path + ".tmp", metadata={"format": "pt"})
-        else:
-            torch.save(out, path + ".tmp")
-        fmt.fsync_file(path + ".tmp")
-        os.replace(path + ".tmp", path)
-    engine.comm.barrier()
-    return True

@@ -498,7 +498,7 @@ class ZeroEngine(EngineQueries):
         fp32 when that is what it trains in) as one safetensors file. At stage 3 this needs
         ``stage3_gather_16bit_weights_on_model_save`` (as in DeepSpeed); without it nothing is
         written and False is returned."""
-        from ..checkpoint.sharded import save_16bit_model
+        from ..checkpoint.hf_export import save_16bit_model
         return save_16bit_model(self, save_dir, save_filename)
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
