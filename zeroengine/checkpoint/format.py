@@ -318,20 +318,19 @@ class ShardReader:
 def iter_consolidated(ckpt_dir: str):
     """(name, fp32 value) for every name of model.state_dict() a checkpoint holds (tied
     parameters under each of their names), from the files alone, one tensor at a time (each
-    a tensor of its own)."""
-    meta = read_meta(ckpt_dir)
-    reader = ShardReader(ckpt_dir, meta)
-    extras = load_extras(verify(ckpt_dir, rank_file(0, "pt"), meta))
-    rest = extras.get("module_rest", {})
-    for key, canonical in meta["state_dict_keys"].items():
+    a tensor of its own). Reads zeroengine's checkpoints and DeepSpeed's (``sources``)."""
+    from .sources import open_checkpoint
+    source = open_checkpoint(ckpt_dir)
+    rest = source.extras(0).get("module_rest", {})
+    for key, canonical in source.meta["state_dict_keys"].items():
         if canonical is not None:
-            yield key, reader.full_parameter(canonical)
+            yield key, source.reader.full_parameter(canonical)
         elif key in rest:
             value = rest[key]
             yield key, value.float() if value.is_floating_point() else value
         else:
-            raise CheckpointError(f"{os.path.join(ckpt_dir, rank_file(0, 'pt'))} lacks the "
-                                  f"module entry {key!r}")
+            raise CheckpointError(f"{ckpt_dir} lacks the module entry {key!r} (neither a "
+                                  "trained parameter nor a saved buffer or frozen one)")
 
 
 def consolidated_state_dict(ckpt_dir: str) -> dict[str, torch.Tensor]:

@@ -25,6 +25,7 @@ import torch
 from ..core.compiled import uncompiled
 from . import format as fmt
 from .format import CheckpointError
+from .sources import is_checkpoint, open_checkpoint
 
 
 # -- what the engine holds, by name ----------------------------------------------------------------
@@ -269,11 +270,12 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, *,
     directory, or no ``latest`` in it). ``load_rng_states``: each rank's torch, numpy and
     Python generators as they were at the save (a resume draws what the run straight through
     would have drawn); False leaves them as they are (DeepSpeed's load_checkpoint)."""
-    path = fmt.resolve(load_dir, tag, missing_ok)
+    path = load_dir if tag is None and is_checkpoint(load_dir) else \
+        fmt.resolve(load_dir, tag, missing_ok)
     if path is None:
         return None, None
-    meta = fmt.read_meta(path)
-    reader = fmt.ShardReader(path, meta)
+    source = open_checkpoint(path)  # zeroengine's own, or DeepSpeed's
+    meta, reader = source.meta, source.reader
     names = _names(engine)
     load_states = load_optimizer_states and not load_module_only
     if load_states:
@@ -283,7 +285,7 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, *,
         if load_states and fi in engine.optimizer.owned:
             _load_owned_state(engine, fi, fg, names, meta, reader, path)
     engine.optimizer.republish()
-    extras = fmt.load_extras(fmt.verify(path, fmt.rank_file(0, "pt"), meta))
+    extras = source.extras(0)
     _load_module_rest(engine, extras.get("module_rest", {}), path)
     if load_module_only:
         return path, extras.get("client_state")
@@ -299,13 +301,31 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, *,
                     group[key] = tuple(value) if isinstance(group[key], tuple) else value
     if load_lr_scheduler_states and engine.lr_scheduler is not None and "lr_scheduler" in extras:
         engine.lr_scheduler.load_state_dict(extras["lr_scheduler"])
+    if load_lr_scheduler_states and extras.get("deepspeed_lr_scheduler"):
+        _load_deepspeed_scheduler(engine, extras["deepspeed_lr_scheduler"], path)
     rank = engine.comm.rank
-    own = fmt.rank_file(rank, "pt")
-    if load_rng_states and own in meta["files"]:
-        mine = extras if rank == 0 else fmt.load_extras(fmt.verify(path, own, meta))
+    mine = extras if rank == 0 else source.extras(rank)
+    if load_rng_states and "rng" in mine:  # DeepSpeed saves none
         _set_rng_state(mine["rng"])
     engine.optimizer.zero_grad()
     return path, extras.get("client_state")
+
+
+def _load_deepspeed_scheduler(engine, state: dict, path: str) -> None:
+    """A DeepSpeed config scheduler's position (``last_batch_iteration``) into the same
+    schedule here; the lr of each group came with the optimizer's param groups."""
+    from ..core.schedulers import DEEPSPEED_SCHEDULERS
+    sched = engine.lr_scheduler
+    if sched is None:
+        return
+    if type(sched).__name__ not in DEEPSPEED_SCHEDULERS or "last_batch_iteration" not in state:
+        raise CheckpointError(
+            f"{path} holds a DeepSpeed lr scheduler's state ({sorted(state)}), which "
+            f"{type(sched).__name__} cannot take: configure the same scheduler in the config's "
+            "'scheduler' section (WarmupLR, WarmupDecayLR, WarmupCosineLR), or pass "
+            "load_lr_scheduler_states=False")
+    sched.last_epoch = int(state["last_batch_iteration"]) + 1  # see schedulers._DeepSpeedIteration
+    sched._last_lr = [g["lr"] for g in sched.optimizer.param_groups]
 
 
 def _check_optimizer_compatible(engine, meta: dict, path: str) -> None:
@@ -315,12 +335,12 @@ def _check_optimizer_compatible(engine, meta: dict, path: str) -> None:
         return [_SAME_STATE.get(n, n) for n in names.split("+")]
     if same(saved) != same(current):
         raise CheckpointError(
-            f"{os.path.join(path, fmt.META)} holds {saved} optimizer state but this engine's "
+            f"{path} holds {saved} optimizer state but this engine's "
             f"optimizer is {current}; use the same optimizer, or load_checkpoint(..., "
             "load_optimizer_states=False) to take the weights only")
     if len(meta["optimizer"]["param_groups"]) != len(engine.optimizer.param_groups):
         raise CheckpointError(
-            f"{os.path.join(path, fmt.META)} has {len(meta['optimizer']['param_groups'])} "
+            f"{path} has {len(meta['optimizer']['param_groups'])} "
             f"optimizer param groups, this optimizer {len(engine.optimizer.param_groups)}")
 
 
@@ -332,14 +352,14 @@ def _load_group(engine, fg, names, meta, reader, load_states: bool, path: str) -
     for piece in fg.layout.shard_pieces(fg.rank):
         name = names[id(fg.params[piece.param])]
         if name not in meta["index"]:
-            raise CheckpointError(f"{os.path.join(path, fmt.META)} has no parameter {name!r}; "
+            raise CheckpointError(f"{path} has no parameter {name!r}; "
                                   "was it saved from another model?")
         gi, entry = meta["index"][name]
         saved_name, shape, offset = meta["groups"][gi]["params"][entry]
         expected = list(fg.layout.slots[piece.param].shape)
         if shape != expected:
             raise CheckpointError(f"parameter {name!r} has shape {tuple(expected)} but "
-                                  f"{os.path.join(path, fmt.META)} saved {tuple(shape)}")
+                                  f"{path} saved {tuple(shape)}")
         located.append((piece, gi, offset))
         state_keys.update(meta["groups"][gi]["state_keys"])
         scalars.update(meta["groups"][gi]["scalar_state"])

@@ -16,7 +16,8 @@ import sys
 def _consolidate(args) -> int:
     from ..checkpoint import format as fmt
     from ..checkpoint.hf_layout import parse_dtype, parse_size
-    if args.tag is None and os.path.exists(os.path.join(args.checkpoint_dir, fmt.META)):
+    from ..checkpoint.sources import is_checkpoint, open_checkpoint
+    if args.tag is None and is_checkpoint(args.checkpoint_dir):
         path = args.checkpoint_dir  # given the checkpoint itself rather than its save_dir
     else:
         path = fmt.resolve(args.checkpoint_dir, args.tag)
@@ -27,7 +28,7 @@ def _consolidate(args) -> int:
         return 2
     # a tensor at a time, a file at a time: about one output file in memory
     written = fmt.write_consolidated(path, args.out, limit, dtype)
-    hf_config = fmt.read_meta(path).get("hf_config")
+    hf_config = open_checkpoint(path).meta.get("hf_config")
     if hf_config is not None:  # saved from a transformers model: make the directory loadable
         fmt.write_json_atomic(os.path.join(args.out, "config.json"), hf_config)
         written.append(os.path.join(args.out, "config.json"))
@@ -238,7 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(run=_train)
 
     c = sub.add_parser("consolidate", help="write the model's weights from a sharded checkpoint "
-                       "(any world size) in the Hugging Face layout, a file at a time")
+                       "(zeroengine's or DeepSpeed's ZeRO, any world size) in the Hugging Face "
+                       "layout, a file at a time")
     c.add_argument("checkpoint_dir", help="the save_dir given to engine.save_checkpoint "
                    "(its latest tag is used), or one checkpoint directory in it")
     c.add_argument("out", help="output directory")

@@ -1,0 +1,51 @@
+"""Which kind of checkpoint a directory holds, opened behind one interface.
+
+``open_checkpoint(path)`` gives ``meta`` (zeroengine's checkpoint metadata: parameter groups,
+state keys, counters, optimizer hyperparameters), ``reader`` (``read`` of a flat element range,
+``full_parameter``) and ``extras(rank)`` (module entries outside the flat groups, the lr
+scheduler, client_state, RNG states) for zeroengine's own checkpoints and DeepSpeed's ZeRO
+ones alike, so loading and consolidation are written once.
+"""
+from __future__ import annotations
+
+import os
+
+from . import format as fmt
+from .deepspeed_format import DeepSpeedCheckpoint, is_deepspeed_checkpoint
+
+
+class ZeroengineCheckpoint:
+    kind = "zeroengine"
+
+    def __init__(self, path: str):
+        self.dir = path
+        self.meta = fmt.read_meta(path)
+        self.reader = fmt.ShardReader(path, self.meta)
+
+    def extras(self, rank: int) -> dict:
+        name = fmt.rank_file(rank, "pt")
+        if name not in self.meta["files"]:
+            return {}
+        return fmt.load_extras(fmt.verify(self.dir, name, self.meta))
+
+
+class _DeepSpeed(DeepSpeedCheckpoint):
+    kind = "deepspeed"
+
+    @property
+    def reader(self):
+        return self
+
+
+def open_checkpoint(path: str):
+    """The checkpoint in directory ``path`` (one tag), whichever writer made it."""
+    if os.path.exists(os.path.join(path, fmt.META)):
+        return ZeroengineCheckpoint(path)
+    if is_deepspeed_checkpoint(path):
+        return _DeepSpeed(path)
+    return ZeroengineCheckpoint(path)  # raises naming the missing meta.json
+
+
+def is_checkpoint(path: str) -> bool:
+    """Whether ``path`` is one checkpoint (a tag directory) rather than a save_dir."""
+    return os.path.exists(os.path.join(path, fmt.META)) or is_deepspeed_checkpoint(path)
