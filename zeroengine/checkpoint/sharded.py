@@ -79,6 +79,14 @@ def _set_rng_state(state: dict) -> None:
 
 
 # -- save ------------------------------------------------------------------------------------------
+def checked_tag(tag: str | None, engine) -> str:
+    """``tag`` (default ``global_step<N>``), refused unless it is a plain directory name."""
+    tag = tag or f"global_step{engine.global_steps}"
+    if os.sep in tag or tag in ("", ".", "..", fmt.LATEST) or tag.endswith((".tmp", ".old")):
+        raise CheckpointError(f"checkpoint tag {tag!r} is not a plain directory name")
+    return tag
+
+
 def save_checkpoint(engine, save_dir: str, tag: str | None = None,
                     client_state: dict | None = None, node_local: bool = False,
                     save_latest: bool = True) -> str:
@@ -91,9 +99,7 @@ def save_checkpoint(engine, save_dir: str, tag: str | None = None,
     ``latest`` naming the checkpoint it named before."""
     from safetensors.torch import save_file
     comm = engine.comm
-    tag = tag or f"global_step{engine.global_steps}"
-    if os.sep in tag or tag in ("", ".", "..", fmt.LATEST) or tag.endswith((".tmp", ".old")):
-        raise CheckpointError(f"checkpoint tag {tag!r} is not a plain directory name")
+    tag = checked_tag(tag, engine)
     final = os.path.join(save_dir, tag)
     tmp = final + ".tmp"
     if comm.rank == 0 or node_local:
@@ -329,6 +335,9 @@ def _load_deepspeed_scheduler(engine, state: dict, path: str) -> None:
 
 
 def _check_optimizer_compatible(engine, meta: dict, path: str) -> None:
+    if meta["optimizer"] is None:
+        raise CheckpointError(f"{path} holds no optimizer state (a model-only save): load it "
+                              "with load_checkpoint(..., load_optimizer_states=False)")
     saved = meta["optimizer"]["inner_class"]
     current = engine.optimizer.inner_name
     def same(names: str) -> list[str]:  # "Muon+AdamW": one inner optimizer per part

@@ -3,14 +3,15 @@
 ``open_checkpoint(path)`` gives ``meta`` (zeroengine's checkpoint metadata: parameter groups,
 state keys, counters, optimizer hyperparameters), ``reader`` (``read`` of a flat element range,
 ``full_parameter``) and ``extras(rank)`` (module entries outside the flat groups, the lr
-scheduler, client_state, RNG states) for zeroengine's own checkpoints and DeepSpeed's ZeRO
-ones alike, so loading and consolidation are written once.
+scheduler, client_state, RNG states) for zeroengine's own checkpoints, DeepSpeed's ZeRO ones
+and torch.distributed.checkpoint (FSDP2, torchtitan) directories alike, so loading and consolidation are written once.
 """
 from __future__ import annotations
 
 import os
 
 from . import format as fmt
+from .dcp_format import DcpCheckpoint, is_dcp_checkpoint
 from .deepspeed_format import DeepSpeedCheckpoint, is_deepspeed_checkpoint
 
 
@@ -43,9 +44,12 @@ def open_checkpoint(path: str):
         return ZeroengineCheckpoint(path)
     if is_deepspeed_checkpoint(path):
         return _DeepSpeed(path)
+    if is_dcp_checkpoint(path):
+        return DcpCheckpoint(path)
     return ZeroengineCheckpoint(path)  # raises naming the missing meta.json
 
 
 def is_checkpoint(path: str) -> bool:
     """Whether ``path`` is one checkpoint (a tag directory) rather than a save_dir."""
-    return os.path.exists(os.path.join(path, fmt.META)) or is_deepspeed_checkpoint(path)
+    return (os.path.exists(os.path.join(path, fmt.META)) or is_deepspeed_checkpoint(path)
+            or is_dcp_checkpoint(path))

@@ -94,20 +94,60 @@ class LazyTensor:
         return f"LazyTensor({list(self.shape)}, {self.dtype})"
 
 
-class _Archive:
-    """The zip members of one torch.save file, read by pread at their data offsets."""
+class _Window:
+    """Bytes [base, base + length) of a file as a seekable file of their own (a torch.save
+    archive inside a torch.distributed.checkpoint .distcp file)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, base: int, length: int):
+        self._f = open(path, "rb")
+        self._base, self._length, self._at = base, length, 0
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self._at = {0: offset, 1: self._at + offset, 2: self._length + offset}[whence]
+        return self._at
+
+    def tell(self) -> int:
+        return self._at
+
+    def read(self, n: int = -1) -> bytes:
+        n = self._length - self._at if n is None or n < 0 else min(n, self._length - self._at)
+        self._f.seek(self._base + self._at)
+        data = self._f.read(max(n, 0))
+        self._at += len(data)
+        return data
+
+    def seekable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class _Archive:
+    """The zip members of one torch.save file (or of one archive at ``base``, ``length``
+    bytes long, inside a larger file), read by pread at their data offsets."""
+
+    def __init__(self, path: str, base: int = 0, length: int | None = None):
         self.path = path
+        self._fd = None
+        size = os.path.getsize(path)
+        length = size - base if length is None else length
+        if base + length > size:
+            raise UnsafeOrUnreadable(f"{path}: bytes {base}-{base + length} lie past its end "
+                                     f"({size} bytes; a truncated copy)")
+        window = _Window(path, base, length)
         try:
-            with zipfile.ZipFile(path) as z:
+            with zipfile.ZipFile(window) as z:
                 infos = z.infolist()
-        except (zipfile.BadZipFile, OSError) as err:
+        except (zipfile.BadZipFile, OSError, ValueError) as err:
             raise UnsafeOrUnreadable(
                 f"{path}: not a torch.save zip archive ({err}); files saved with "
                 "_use_new_zipfile_serialization=False are not read") from None
+        finally:
+            window.close()
         self._fd = os.open(path, os.O_RDONLY)
-        self._size = os.fstat(self._fd).st_size
+        self._base = base
+        self._size = base + length
         self._members = {}
         for info in infos:
             self._members[info.filename] = info
@@ -131,11 +171,11 @@ class _Archive:
             if info.compress_type != zipfile.ZIP_STORED:
                 raise UnsafeOrUnreadable(f"{self.path}: {member!r} is compressed; torch.save "
                                          "stores tensors uncompressed")
-            header = os.pread(self._fd, 30, info.header_offset)
+            header = os.pread(self._fd, 30, self._base + info.header_offset)
             if len(header) < 30 or header[:4] != b"PK\x03\x04":
                 raise UnsafeOrUnreadable(f"{self.path}: damaged zip entry for {member!r}")
             name_len, extra_len = struct.unpack("<HH", header[26:30])
-            start = info.header_offset + 30 + name_len + extra_len
+            start = self._base + info.header_offset + 30 + name_len + extra_len
             if start + info.file_size > self._size:
                 raise UnsafeOrUnreadable(f"{self.path}: {member!r} runs past the end of the "
                                          "file (a truncated copy)")
@@ -194,6 +234,12 @@ def _rebuild_from_type(func, new_type, args, state):
     return func(*args)
 
 
+def _latin1(text: str, encoding: str = "latin1") -> bytes:
+    if encoding not in ("latin1", "latin-1"):
+        raise UnsafeOrUnreadable(f"bytes pickled through encoding {encoding!r}")
+    return text.encode("latin1")
+
+
 class _Unpickler(pickle.Unpickler):
     def __init__(self, file, archive: _Archive, records: dict):
         super().__init__(file)
@@ -209,6 +255,7 @@ class _Unpickler(pickle.Unpickler):
             ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
             ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
             ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
+            ("_codecs", "encode"): _latin1,  # how protocol 2 pickles bytes
             ("torch", "Size"): tuple, ("torch", "Tensor"): _TensorType,
             ("torch.nn.parameter", "Parameter"): _TensorType,
             ("torch", "device"): str,
@@ -241,11 +288,13 @@ class _Unpickler(pickle.Unpickler):
         return _Storage(f"{self._archive.prefix}data/{key}", dtype, int(numel))
 
 
-def load_lazy(path: str, records: dict[tuple[str, str], object] | None = None):
-    """The object tree a torch.save file holds, tensors as ``LazyTensor``. ``records``:
-    (module, name) -> stand-in, for foreign classes the caller accepts as plain records."""
+def load_lazy(path: str, records: dict[tuple[str, str], object] | None = None,
+              base: int = 0, length: int | None = None):
+    """The object tree a torch.save file holds (or the archive at ``base`` of it), tensors as
+    ``LazyTensor``. ``records``: (module, name) -> stand-in, for foreign classes the caller
+    accepts as plain records."""
     import io
-    archive = _Archive(path)
+    archive = _Archive(path, base, length)
     try:
         data = archive.read_member(archive.prefix + "data.pkl")
         return _Unpickler(io.BytesIO(data), archive, records or {}).load()

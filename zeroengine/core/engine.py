@@ -466,11 +466,24 @@ class ZeroEngine(EngineQueries):
     # -- checkpoints (sharded.py) ------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None,
                         client_state: dict | None = None, node_local: bool = False,
-                        save_latest: bool = True) -> str:
+                        save_latest: bool = True, format: str = "zeroengine") -> str:
         """Collective: each rank writes its own shards of ``<save_dir>/<tag>`` (default tag
         ``global_step<N>``), atomically; ``latest`` then names it. Returns the path.
         ``node_local=True``: each rank's ``save_dir`` is its own (not shared); the checkpoint
-        is the union of the ranks' directories, as Ray Train assembles it."""
+        is the union of the ranks' directories, as Ray Train assembles it.
+        ``format="dcp"``: a torch.distributed.checkpoint directory in FSDP2's layout
+        ({"model": ..., "optim": ...}) that FSDP2/torchtitan load with ``dcp.load`` (no RNG
+        states in it); ``load_checkpoint`` reads either."""
+        if format == "dcp":
+            from ..checkpoint.dcp_save import save_dcp
+            from ..checkpoint.sharded import checked_tag
+            if node_local:
+                raise ValueError("save_checkpoint(format='dcp', node_local=True): DCP writes "
+                                 "one shared directory; leave node_local out")
+            return save_dcp(self, save_dir, checked_tag(tag, self), client_state, save_latest)
+        if format != "zeroengine":
+            raise ValueError(f"save_checkpoint(format={format!r}): 'zeroengine' (default) or "
+                             "'dcp'")
         from ..checkpoint.sharded import save_checkpoint
         return save_checkpoint(self, save_dir, tag, client_state, node_local, save_latest)
 
