@@ -12,7 +12,10 @@ Hugging Face layout at --max-shard-size 1/8 of the fp32 model:
   what it gathers on rank 0), and its ``zero_to_fp32`` conversion of its checkpoint
   (``convert_zero_checkpoint_to_fp32_state_dict``), in its own
   process likewise (``safe_serialization=False``: with True, DeepSpeed 0.19.8 refuses the
-  Llama's tied embedding - "Some tensors share memory").
+  Llama's tied embedding - "Some tensors share memory");
+- zeroengine's consolidate of that DeepSpeed checkpoint (it reads DeepSpeed's files);
+- FSDP2's full-state-dict export: the model fully_shard'ed per decoder layer,
+  ``get_model_state_dict(full_state_dict=True, cpu_offload=True)`` onto rank 0, torch.save.
 
 Write speed is bytes written over seconds, against this disk's sequential write bandwidth
 (a file of the model's size written and fsynced). Median of --repeats.
@@ -48,7 +51,7 @@ def _mark() -> int:
 
 def dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
-               if f.endswith((".safetensors", ".bin", ".json")))
+               if f.endswith((".safetensors", ".bin", ".json", ".pt")))
 
 
 def write_bandwidth(nbytes: int, where: str) -> float:
@@ -131,6 +134,35 @@ def _mark():
     return _status("VmRSS")
 """
 
+def _fsdp2(path: str, out: str) -> dict:
+    """FSDP2's full-state-dict export (its tutorial's recipe): every decoder layer and the root
+    fully_shard'ed, get_model_state_dict(full_state_dict, cpu_offload) gathers onto rank 0,
+    which torch.saves it."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+    dist.init_process_group("gloo")
+    model = AutoModelForCausalLM.from_pretrained(path)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    dist.barrier()
+    before, start = _mark(), time.perf_counter()
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                 cpu_offload=True))
+    if dist.get_rank() == 0:
+        os.makedirs(os.path.join(out, "fsdp2"), exist_ok=True)
+        target = os.path.join(out, "fsdp2", "model.pt")
+        torch.save(state, target)
+        with open(target, "rb") as f:
+            os.fsync(f.fileno())
+    del state
+    dist.barrier()
+    return {"fsdp2 full state dict": {"seconds": time.perf_counter() - start,
+                                      "rise": _status("VmHWM") - before}}
+
+
 CONSOLIDATE = _PEAK + """
 import sys, time, os
 sys.argv = {argv!r}
@@ -186,6 +218,16 @@ def one_run(path: str, shard_size: int, work: str) -> dict:
                                                     out=target, size=shard_size))
     out["deepspeed zero_to_fp32"] = {"rise": rise, "seconds": seconds,
                                      "bytes": dir_bytes(target)}
+    # the same conversion of DeepSpeed's checkpoint by zeroengine (it reads DeepSpeed's files)
+    target = os.path.join(work, "ds_consolidated")
+    argv = ["zeroengine", "consolidate", os.path.join(work, "dsckpt", "t"), target,
+            "--max-shard-size", str(shard_size)]
+    rise, seconds = _in_process(CONSOLIDATE.format(argv=argv, run=True))
+    out["consolidate (DeepSpeed's checkpoint)"] = {"rise": rise, "seconds": seconds,
+                                                   "bytes": dir_bytes(target)}
+    fsdp = run_ranks(2, _fsdp2, path, work, timeout=3600)
+    worst = max(fsdp, key=lambda r: r["fsdp2 full state dict"]["rise"])["fsdp2 full state dict"]
+    out["fsdp2 full state dict"] = {**worst, "bytes": dir_bytes(os.path.join(work, "fsdp2"))}
     return out
 
 
