@@ -329,6 +329,9 @@ class _LazyEntries(Mapping):
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._source._full(self._source.model[name])
 
+    def __contains__(self, name) -> bool:  # without reading it
+        return name in self._source.model
+
     def __iter__(self):
         return iter(self._source.model)
 

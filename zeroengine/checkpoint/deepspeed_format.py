@@ -50,6 +50,8 @@ _DEEPSPEED_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "froze
                    "ds_version", "checkpoint_parallel_dimensions", "ep_world_size",
                    "num_experts", "universal_checkpoint_info"}
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+_ADAM_TYPES = {"adam": "Adam", "adamw": "Adam", "fusedadam": "Adam", "cpuadam": "Adam",
+               "deepspeedcpuadam": "Adam", "onebitadam": "OneBitAdam"}
 
 
 def is_deepspeed_checkpoint(path: str) -> bool:
@@ -300,8 +302,13 @@ class DeepSpeedCheckpoint:
         gas = int(config.get("gradient_accumulation_steps", 1) or 1)
         global_steps = int(self.model.get("global_steps", 0))
         skipped = int(self.model.get("skipped_steps", 0))
-        optimizer = (config.get("optimizer") or {}).get("type", "")
-        inner_class = "Adam" if set(ADAM_KEYS) <= set(keys) else (optimizer or "+".join(keys))
+        optimizer = str((config.get("optimizer") or {}).get("type", ""))
+        # the config's optimizer names the state's meaning (LAMB keeps exp_avg too); a client
+        # optimizer (no section) is known by its state keys
+        if optimizer:
+            inner_class = _ADAM_TYPES.get(optimizer.lower(), optimizer)
+        else:
+            inner_class = "Adam" if set(ADAM_KEYS) <= set(keys) else "+".join(keys)
         groups_hp = [{k: v for k, v in g.items() if k != "params"}
                      for g in materialize(inner.get("param_groups", []))]
         return {
