@@ -46,6 +46,31 @@ def batch(step: int, micro: int, rank: int, size: int = 4, length: int = 5):
     return tokens, targets
 
 
+def global_batch(step: int, world: int, rank: int):
+    """Rank ``rank``'s part of step ``step``'s batch of 8 samples (two ``batch`` calls), the
+    same 8 at every world size that divides them: runs of other engines at world 2 and ours
+    at world 1 or 2 see one global batch."""
+    parts = [batch(step, 0, r) for r in range(2)]
+    tokens = torch.cat([p[0] for p in parts])
+    targets = torch.cat([p[1] for p in parts])
+    size = tokens.shape[0] // world
+    return tokens[rank * size:(rank + 1) * size], targets[rank * size:(rank + 1) * size]
+
+
+def load_refused(engine, root: str) -> str:
+    """``engine.load_checkpoint(root)``'s CheckpointError message, asserting it changed none
+    of the engine's values ("loaded" if it did not refuse)."""
+    from zeroengine.checkpoint.format import CheckpointError
+    before = engine.consolidated_state_dict()
+    try:
+        engine.load_checkpoint(root)
+    except CheckpointError as err:
+        after = engine.consolidated_state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before), "half-loaded"
+        return str(err)
+    return "loaded"
+
+
 def loss_fn(logits, targets):
     return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 

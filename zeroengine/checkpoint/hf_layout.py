@@ -93,6 +93,8 @@ class ShardedWriter:
         from safetensors.torch import save_file
         part = os.path.join(self.out_dir, f".part-{len(self._parts):05d}.safetensors")
         save_file(self._pending, part, metadata=self.metadata)
+        from .format import fsync_file
+        fsync_file(part)  # on the disk before the index names it
         self._parts.append((part, list(self._pending)))
         self._pending, self._pending_bytes = {}, 0
 
@@ -108,4 +110,7 @@ class ShardedWriter:
             written.append(os.path.join(self.out_dir, name))
         if len(names) > 1:
             written.append(write_index(self.out_dir, self.total_size, weight_map))
+        else:
+            from .format import fsync_dir
+            fsync_dir(self.out_dir)  # the rename to model.safetensors is on the disk too
         return written
