@@ -222,3 +222,20 @@ def _load_only(root: str) -> str:
 def test_foreign_damage_is_named_and_loads_nothing(ds_runs, tmp_path, how, words):
     message = run_ranks(1, _load_only, _damaged(ds_runs, tmp_path, how))[0]
     assert words in message, message
+
+
+def _load_with_step_lr(root: str) -> str:
+    import zeroengine
+    model = make_model(0)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    engine = zeroengine.initialize(model, {"train_batch_size": 8,
+                                           "zero_optimization": {"stage": 2}},
+                                   optimizer=opt,
+                                   lr_scheduler=torch.optim.lr_scheduler.StepLR(opt, 1))
+    return load_refused(engine, root)
+
+
+def test_a_deepspeed_schedule_another_scheduler_cannot_take_is_refused_first(ds_runs):
+    message = run_ranks(1, _load_with_step_lr, ds_runs[(2, "fp32")][0])[0]
+    assert "StepLR cannot take" in message and "load_lr_scheduler_states=False" in message
+

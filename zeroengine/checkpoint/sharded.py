@@ -286,12 +286,16 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, *,
     load_states = load_optimizer_states and not load_module_only
     if load_states:
         _check_optimizer_compatible(engine, meta, path)
+    extras = source.extras(0)
+    foreign_schedule = load_lr_scheduler_states and not load_module_only and \
+        extras.get("deepspeed_lr_scheduler")
+    if foreign_schedule:  # refused before anything is loaded
+        _check_deepspeed_scheduler(engine, foreign_schedule, path)
     for fi, fg in enumerate(engine.flat_groups):
         _load_group(engine, fg, names, meta, reader, load_states, path)
         if load_states and fi in engine.optimizer.owned:
             _load_owned_state(engine, fi, fg, names, meta, reader, path)
     engine.optimizer.republish()
-    extras = source.extras(0)
     _load_module_rest(engine, extras.get("module_rest", {}), path)
     if load_module_only:
         return path, extras.get("client_state")
@@ -307,8 +311,10 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, *,
                     group[key] = tuple(value) if isinstance(group[key], tuple) else value
     if load_lr_scheduler_states and engine.lr_scheduler is not None and "lr_scheduler" in extras:
         engine.lr_scheduler.load_state_dict(extras["lr_scheduler"])
-    if load_lr_scheduler_states and extras.get("deepspeed_lr_scheduler"):
-        _load_deepspeed_scheduler(engine, extras["deepspeed_lr_scheduler"], path)
+    if foreign_schedule and engine.lr_scheduler is not None:
+        sched = engine.lr_scheduler  # DeepSpeed's iteration t is torch's last_epoch t + 1
+        sched.last_epoch = int(foreign_schedule["last_batch_iteration"]) + 1
+        sched._last_lr = [g["lr"] for g in sched.optimizer.param_groups]
     rank = engine.comm.rank
     mine = extras if rank == 0 else source.extras(rank)
     if load_rng_states and "rng" in mine:  # DeepSpeed saves none
@@ -317,9 +323,10 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, *,
     return path, extras.get("client_state")
 
 
-def _load_deepspeed_scheduler(engine, state: dict, path: str) -> None:
-    """A DeepSpeed config scheduler's position (``last_batch_iteration``) into the same
-    schedule here; the lr of each group came with the optimizer's param groups."""
+def _check_deepspeed_scheduler(engine, state: dict, path: str) -> None:
+    """A DeepSpeed config scheduler's position (``last_batch_iteration``) goes into the same
+    schedule here (the lr of each group comes with the optimizer's param groups); another
+    scheduler cannot take it."""
     from ..core.schedulers import DEEPSPEED_SCHEDULERS
     sched = engine.lr_scheduler
     if sched is None:
@@ -330,8 +337,6 @@ def _load_deepspeed_scheduler(engine, state: dict, path: str) -> None:
             f"{type(sched).__name__} cannot take: configure the same scheduler in the config's "
             "'scheduler' section (WarmupLR, WarmupDecayLR, WarmupCosineLR), or pass "
             "load_lr_scheduler_states=False")
-    sched.last_epoch = int(state["last_batch_iteration"]) + 1  # see schedulers._DeepSpeedIteration
-    sched._last_lr = [g["lr"] for g in sched.optimizer.param_groups]
 
 
 def _check_optimizer_compatible(engine, meta: dict, path: str) -> None:
