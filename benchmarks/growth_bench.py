@@ -35,7 +35,7 @@ import torch.nn as nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from benchmarks.compare import loopback_tx_bytes, rss_now, rss_peak  # noqa: E402
+from benchmarks.compare import _engine_step, loopback_tx_bytes, rss_now, rss_peak  # noqa: E402
 from zeroengine.testing import run_ranks  # noqa: E402
 
 LR = {"lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.1}
@@ -77,13 +77,7 @@ def build(variant: str, blocks: int, width: int):
             model = Deep(blocks, width)
         engine = zeroengine.initialize(model, config,
                                        optimizer=torch.optim.AdamW(model.parameters(), **LR))
-
-        def step(x, target):
-            loss = model.loss(x, target)
-            engine.backward(loss)
-            engine.step()
-            return loss
-        return step
+        return _engine_step(model, engine)
     torch.manual_seed(0)
     model = Deep(blocks, width)
     if variant == "ds3":
@@ -96,13 +90,7 @@ def build(variant: str, blocks: int, width: int):
                   "steps_per_print": 10**9}
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                           config=config)
-
-        def step(x, target):
-            loss = model.loss(x, target)
-            engine.backward(loss)
-            engine.step()
-            return loss
-        return step
+        return _engine_step(model, engine)
     if variant == "fsdp2":
         from torch.distributed.fsdp import fully_shard
         for block in model.blocks:
