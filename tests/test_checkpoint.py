@@ -407,6 +407,35 @@ def test_save_16bit_model(tmp_path, stage, gather, world, filename):
             assert torch.equal(value, full[key]), key
 
 
+def nvme_exports(root):
+    engine = new_engine(2, offload_optimizer={"device": "nvme", "nvme_path": root})
+    run_step(engine, 0, 1)
+    refused = []
+    for export in (lambda: engine.save_pretrained(os.path.join(root, "hf")),
+                   lambda: engine.save_checkpoint(os.path.join(root, "dcp"), format="dcp")):
+        try:
+            export()
+            refused.append(None)
+        except NotImplementedError as err:
+            refused.append(str(err))
+    wrote = engine.save_16bit_model(os.path.join(root, "16"))  # the whole-model gather
+    return refused, wrote, engine.consolidated_state_dict()
+
+
+def test_exports_refuse_or_fall_back_with_the_optimizer_on_nvme(tmp_path):
+    """The exports that stream from the masters do not read NVMe-swapped ones yet: two refuse
+    by name, saying what to do instead; save_16bit_model gathers the whole model instead."""
+    refused, wrote, full = run_ranks(1, nvme_exports, str(tmp_path))[0]
+    assert refused[0] is not None and "save_pretrained with the optimizer state on NVMe" in \
+        refused[0] and "zeroengine consolidate" in refused[0]
+    assert refused[1] is not None and "save_checkpoint(format='dcp')" in refused[1] and \
+        "NVMe" in refused[1]
+    from safetensors.torch import load_file
+    loaded = load_file(str(tmp_path / "16" / "model.safetensors"))
+    assert wrote is True and set(loaded) == set(full)
+    assert all(torch.equal(loaded[k], full[k]) for k in full)  # fp32 training: fp32 file
+
+
 # -- crash resume under torchrun ------------------------------------------------------------------
 def _torchrun(tmp_path, name, kill_at):
     ckpt, out = tmp_path / f"{name}-ckpt", tmp_path / f"{name}.pt"

@@ -26,20 +26,24 @@ import collections
 import io
 import math
 import os
-import pickle
 from collections.abc import Mapping
 
 import torch
 
 from .format import CheckpointError
-from .torch_pickle import Record, UnsafeOrUnreadable, load_lazy, materialize
+from .torch_pickle import (
+    DTYPE_NAMES,
+    AllowlistUnpickler,
+    Record,
+    UnsafeOrUnreadable,
+    load_lazy,
+    materialize,
+)
 
 METADATA = ".metadata"
 ZEROENGINE_KEY = "zeroengine"  # our counters, scheduler and client_state, when we wrote it
 _DCP = "torch.distributed.checkpoint.metadata"
-_DTYPES = {str(d).split(".")[-1]: d for d in (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool)}
+
 
 
 def is_dcp_checkpoint(path: str) -> bool:
@@ -57,41 +61,31 @@ class _TensorProperties(Record):
             super().__setstate__(state)
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's metadata classes as plain records; anything else refused by name."""
-
-    def __init__(self, file, path: str):
-        super().__init__(file)
-        self.path = path
-        records = {(_DCP, n): Record for n in (
-            "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-            "TensorProperties", "MetadataIndex", "StorageMeta")}
-        self.allowed = {
-            **records,
-            (_DCP, "TensorProperties"): _TensorProperties,
-            ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): Record,
-            (_DCP, "_MEM_FORMAT_ENCODING"): int,
-            ("torch.serialization", "_get_layout"): str,
-            ("pathlib", "PosixPath"): lambda *parts: os.path.join(*parts) if parts else "",
-            ("pathlib", "WindowsPath"): lambda *parts: "\\".join(parts),
-            ("torch", "Size"): tuple,
-            ("collections", "OrderedDict"): collections.OrderedDict,
-            **{("torch", name): dtype for name, dtype in _DTYPES.items()},
-        }
-
-    def find_class(self, module: str, name: str):
-        found = self.allowed.get((module, name))
-        if found is None:
-            raise UnsafeOrUnreadable(f"{self.path} pickles {module}.{name}, which zeroengine "
-                                     "does not import or run when reading a checkpoint")
-        return found
+def _metadata_allowlist() -> dict:
+    """DCP's metadata classes as plain records; anything else is refused by name."""
+    records = {(_DCP, n): Record for n in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "MetadataIndex", "StorageMeta")}
+    return {
+        **records,
+        (_DCP, "TensorProperties"): _TensorProperties,
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): Record,
+        (_DCP, "_MEM_FORMAT_ENCODING"): int,
+        ("torch.serialization", "_get_layout"): str,
+        ("pathlib", "PosixPath"): lambda *parts: os.path.join(*parts) if parts else "",
+        ("pathlib", "WindowsPath"): lambda *parts: "\\".join(parts),
+        ("torch", "Size"): tuple,
+        ("collections", "OrderedDict"): collections.OrderedDict,
+        **{("torch", name): dtype for name, dtype in DTYPE_NAMES.items()},
+    }
 
 
 def _read_metadata(path: str) -> Record:
     file = os.path.join(path, METADATA)
     try:
         with open(file, "rb") as f:
-            metadata = _MetadataUnpickler(io.BytesIO(f.read()), file).load()
+            metadata = AllowlistUnpickler(io.BytesIO(f.read()), file,
+                                          _metadata_allowlist()).load()
     except UnsafeOrUnreadable as err:
         raise CheckpointError(str(err)) from None
     except Exception as err:
@@ -127,7 +121,6 @@ def _flat_range(path: str, fqn: str, shape, offsets, sizes) -> tuple[int, int]:
 
 class DcpCheckpoint:
     """One DCP directory as zeroengine checkpoint metadata + reader."""
-    kind = "dcp"
 
     def __init__(self, path: str):
         self.dir = path
@@ -175,6 +168,8 @@ class DcpCheckpoint:
                     raise CheckpointError(f"{c.file} is shorter than {METADATA} says (a "
                                           f"truncated copy; {fqn!r} runs past its end)")
         self._classify({fqn: tuple(planner.get(fqn) or (fqn,)) for fqn in self._entries})
+        # what save_checkpoint(format="dcp") adds: counters, scheduler, client_state
+        self._ours = self._read_ours() if ZEROENGINE_KEY in self._bytes else {}
         self.meta = self._meta()
 
     # -- which key is what ---------------------------------------------------------------------------
@@ -210,8 +205,7 @@ class DcpCheckpoint:
         except UnsafeOrUnreadable as err:
             raise CheckpointError(str(err)) from None
 
-    def _ours(self) -> dict:
-        """What ``save_checkpoint(format="dcp")`` adds: counters, scheduler, client_state."""
+    def _read_ours(self) -> dict:
         blob = self._value(ZEROENGINE_KEY)
         try:
             return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
@@ -232,24 +226,20 @@ class DcpCheckpoint:
                              if fqn in self._chunks and math.prod(self._entries[fqn].size) > 1})
         steps = [self._full(s["step"]).item() for s in self.state.values() if "step" in s]
         step = max(steps) if steps else None
-        ours = self._ours() if ZEROENGINE_KEY in self._bytes else {}
         groups_hp = [{k: self._value(fqn) for k, fqn in g.items() if k != "params"}
                      for g in self._groups]
-        has_adam = {"exp_avg", "exp_avg_sq"} <= set(state_keys)
+        kind = "Adam" if {"exp_avg", "exp_avg_sq"} <= set(state_keys) else "+".join(state_keys)
         steps_done = int(step or 0)
         return {
             "format": "dcp", "tag": os.path.basename(os.path.normpath(self.dir)),
             "global_steps": steps_done, "micro_steps": steps_done, "skipped_steps": 0,
             "optimizer_steps": steps_done, "loss_scaler": None,
-            **ours.get("meta", {}),
+            **self._ours.get("meta", {}),
             "optimizer": None if not self.state else {
-                "class": "Adam" if has_adam else "+".join(state_keys),
-                "inner_class": "Adam" if has_adam else "+".join(state_keys),
-                "param_groups": groups_hp},
+                "class": kind, "inner_class": kind, "param_groups": groups_hp},
             "groups": [{"params": params, "state_keys": state_keys,
                         "scalar_state": {} if step is None else {"step": float(step)}}],
             "index": index, "state_dict_keys": keys, "files": {}, "hf_config": None,
-            "_extras": {k: v for k, v in ours.items() if k != "meta"},
         }
 
     def _full(self, fqn: str, dtype=None) -> torch.Tensor:
@@ -311,11 +301,8 @@ class DcpCheckpoint:
     def full_parameter(self, name: str, key: str = "master") -> torch.Tensor:
         return self._full(self.model[name], torch.float32)
 
-    def tensors_with_prefix(self, rank: int, prefix: str) -> dict:
-        return {}
-
     def extras(self, rank: int) -> dict:
-        ours = self.meta["_extras"]
+        ours = self._ours
         return {"module_rest": _LazyEntries(self), "client_state": ours.get("client_state"),
                 **({"lr_scheduler": ours["lr_scheduler"]} if "lr_scheduler" in ours else {})}
 

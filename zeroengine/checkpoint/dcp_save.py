@@ -112,33 +112,25 @@ def _planner():
 
 
 def _refuse(engine) -> None:
-    if engine.optimizer.swap is not None:
-        raise NotImplementedError(
-            "save_checkpoint(format='dcp') with the optimizer on NVMe is not supported yet: "
-            "save in zeroengine's format and load that at another world size or stage")
-    if engine.topology.shard.world_size not in (1, engine.comm.world_size):
-        raise NotImplementedError(
-            "save_checkpoint(format='dcp') under hybrid sharding (zero_hpz / mics) is not "
-            "supported yet: save in zeroengine's format")
+    from .sharded import refuse_unsupported_layouts
+    instead = "save in zeroengine's format, which loads at any world size or stage"
+    refuse_unsupported_layouts(engine, "save_checkpoint(format='dcp')", instead)
     if engine.optimizer.owned:
         raise NotImplementedError(
             "save_checkpoint(format='dcp') with a tensor-wise optimizer (Muon) is not "
-            "supported yet: save in zeroengine's format")
+            f"supported yet: {instead}")
 
 
 def _state_dict(engine, names: dict, client_state: dict | None) -> dict:
-    from .sharded import _jsonable
+    from .sharded import _managed, counters
     module = uncompiled(engine.module)
     model: dict = {}
     state: dict = {}
     scalars_of: dict = {}
     rank = engine.comm.rank
-    managed = {}
-    for gi, fg in enumerate(engine.flat_groups):
-        for i, p in enumerate(fg.params):
-            managed[id(p)] = (gi, fg, i)
+    managed = _managed(engine)
     pieces: dict[int, list] = {}  # id(param) -> [(begin, master piece, {key: state piece})]
-    for gi, fg in enumerate(engine.flat_groups):
+    for fg in engine.flat_groups:
         writes = fg.layout.world_size > 1 or rank == 0
         elementwise, scalars = engine.optimizer.shard_state(fg) if writes else ({}, {})
         master = fg.master_shard() if writes else None
@@ -157,7 +149,7 @@ def _state_dict(engine, names: dict, client_state: dict | None) -> dict:
             model[key] = t.detach().cpu().clone()
     groups = []
     opt = engine.optimizer
-    for g, group in enumerate(opt.param_groups):
+    for group in opt.param_groups:
         groups.append({**{k: v for k, v in group.items() if k != "params"},
                        "params": [names[id(p)] for p in group["params"]]})
         for p in group["params"]:
@@ -171,10 +163,7 @@ def _state_dict(engine, names: dict, client_state: dict | None) -> dict:
                 st["step"] = torch.tensor(float(step))
             if st:
                 state[names[id(p)]] = st
-    ours = {"meta": {**engine.clock.state(), "optimizer_steps": opt.steps,
-                     "loss_scaler": _jsonable(opt.loss_scaler.state_dict())
-                     if opt.loss_scaler is not None else None},
-            "client_state": client_state or {}}
+    ours = {"meta": counters(engine), "client_state": client_state or {}}
     if engine.lr_scheduler is not None:
         ours["lr_scheduler"] = engine.lr_scheduler.state_dict()
     # one opaque value (DCP would flatten a dict into a key per number): the bytes of a

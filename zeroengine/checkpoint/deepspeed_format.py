@@ -369,6 +369,10 @@ class DeepSpeedCheckpoint:
         return torch.cat(pieces)[:math.prod(shape)].view(shape)
 
     # -- ShardReader's methods -----------------------------------------------------------------------
+    @property
+    def reader(self):
+        return self
+
     def read(self, group_index: int, key: str, flat_begin: int, numel: int,
              out: torch.Tensor) -> None:
         params = self.meta["groups"][group_index]["params"]
@@ -399,6 +403,3 @@ class DeepSpeedCheckpoint:
         out = torch.empty(math.prod(shape), dtype=torch.float32)
         self.read(gi, key, offset, out.numel(), out)
         return out.view(shape)
-
-    def tensors_with_prefix(self, rank: int, prefix: str) -> dict:
-        return {}

@@ -31,6 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .weight_files import DTYPES as SAFETENSORS_DTYPES
+from .weight_files import WeightFiles, WeightsError, read_header
+
 FORMAT_VERSION = 1
 META = "meta.json"
 LATEST = "latest"
@@ -211,9 +214,7 @@ class StreamedSafetensors:
     memory (NVMe offload saves a rank's master and state a tile at a time). Ranges never
     written read as zeros."""
 
-    _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
-               torch.float64: "F64", torch.int64: "I64", torch.int32: "I32",
-               torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+    _DTYPES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
     def __init__(self, path: str, specs: list[tuple[str, torch.dtype, int | tuple]],
                  metadata: dict[str, str] | None = None):
@@ -263,7 +264,6 @@ class ShardReader:
     def _file(self, rank: int):
         files = self._open.get(rank)
         if files is None:
-            from .weight_files import WeightFiles, WeightsError, read_header
             path = verify(self.dir, rank_file(rank, "safetensors"), self.meta)
             try:
                 files = WeightFiles(path, read_header(path))
@@ -315,12 +315,14 @@ class ShardReader:
         return out.view(shape)
 
 
-def iter_consolidated(ckpt_dir: str):
+def iter_consolidated(checkpoint):
     """(name, fp32 value) for every name of model.state_dict() a checkpoint holds (tied
     parameters under each of their names), from the files alone, one tensor at a time (each
-    a tensor of its own). Reads zeroengine's checkpoints and DeepSpeed's (``sources``)."""
+    a tensor of its own). ``checkpoint``: a directory (zeroengine's, DeepSpeed's or DCP's) or
+    what ``sources.open_checkpoint`` opened."""
     from .sources import open_checkpoint
-    source = open_checkpoint(ckpt_dir)
+    source = open_checkpoint(checkpoint) if isinstance(checkpoint, (str, os.PathLike)) \
+        else checkpoint
     rest = source.extras(0).get("module_rest", {})
     for key, canonical in source.meta["state_dict_keys"].items():
         if canonical is not None:
@@ -329,16 +331,16 @@ def iter_consolidated(ckpt_dir: str):
             value = rest[key]
             yield key, value.float() if value.is_floating_point() else value
         else:
-            raise CheckpointError(f"{ckpt_dir} lacks the module entry {key!r} (neither a "
+            raise CheckpointError(f"{source.dir} lacks the module entry {key!r} (neither a "
                                   "trained parameter nor a saved buffer or frozen one)")
 
 
-def consolidated_state_dict(ckpt_dir: str) -> dict[str, torch.Tensor]:
+def consolidated_state_dict(checkpoint) -> dict[str, torch.Tensor]:
     """The full fp32 model state dict a checkpoint holds (``iter_consolidated``, kept)."""
-    return dict(iter_consolidated(ckpt_dir))
+    return dict(iter_consolidated(checkpoint))
 
 
-def write_consolidated(ckpt_dir: str, out_dir: str, max_shard_size="5GB",
+def write_consolidated(checkpoint, out_dir: str, max_shard_size="5GB",
                        dtype: torch.dtype | None = None) -> list[str]:
     """``consolidated_state_dict`` written in the Hugging Face layout a tensor at a time (peak:
     about one output file plus one tensor, whatever the model's size). Every name of
@@ -347,7 +349,7 @@ def write_consolidated(ckpt_dir: str, out_dir: str, max_shard_size="5GB",
     ``dtype``: floating-point tensors cast to it (default: fp32 as saved)."""
     from .hf_layout import ShardedWriter
     writer = ShardedWriter(out_dir, max_shard_size)
-    for key, value in iter_consolidated(ckpt_dir):
+    for key, value in iter_consolidated(checkpoint):
         if dtype is not None and value.is_floating_point():
             value = value.to(dtype)
         writer.add(key, value)

@@ -19,7 +19,8 @@ import torch
 
 from ..core.compiled import uncompiled
 from . import format as fmt
-from .hf_layout import INDEX, file_names, parse_dtype, parse_size, write_index
+from .hf_layout import INDEX, file_names, owning, parse_dtype, parse_size, write_index
+from .sharded import refuse_unsupported_layouts, unsupported_layout
 
 
 class _Writer:
@@ -68,17 +69,14 @@ def plan_files(sizes: list[tuple[str, int]], limit: int) -> list[list[str]]:
     return files
 
 
-def _refuse_unstreamable(engine, what: str) -> None:
-    if engine.optimizer.swap is not None:
-        raise NotImplementedError(
-            f"{what} with the optimizer state on NVMe (offload_optimizer.device 'nvme') is not "
-            "streamed yet: save_checkpoint(dir), then `zeroengine consolidate dir out/ "
-            "--max-shard-size ... --dtype ...` writes the Hugging Face layout")
-    shard = engine.topology.shard
-    if shard.world_size not in (1, engine.comm.world_size):
-        raise NotImplementedError(
-            f"{what} under hybrid sharding (zero_hpz / mics groups) is not streamed yet: "
-            "save_checkpoint(dir), then `zeroengine consolidate dir out/`")
+_INSTEAD = ("save_checkpoint(dir), then `zeroengine consolidate dir out/ --max-shard-size ... "
+            "--dtype ...` writes the Hugging Face layout")
+
+
+def _out_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """What an export writes a state_dict entry as: floating point in ``dtype``, the rest as
+    they are (integer buffers)."""
+    return dtype if t.is_floating_point() else t.dtype
 
 
 class _Gatherer:
@@ -101,26 +99,14 @@ class _Gatherer:
         return t.detach().to("cpu")
 
 
-def _owning(value: torch.Tensor) -> torch.Tensor:
-    """``value`` as a tensor owning its whole storage (what safetensors writes)."""
-    if not value.is_contiguous() or value.untyped_storage().nbytes() != \
-            value.numel() * value.element_size():
-        value = value.contiguous().clone()
-    return value
-
-
 def save_pretrained(engine, save_dir: str, max_shard_size="5GB", dtype=None) -> list[str]:
     """Collective. Returns the files this rank wrote (rank 0: also the index and config)."""
     dtype = parse_dtype(dtype) or engine.precision.compute
     limit = parse_size(max_shard_size)
-    _refuse_unstreamable(engine, "save_pretrained")
+    refuse_unsupported_layouts(engine, "save_pretrained", _INSTEAD)
     gather = _Gatherer(engine)
     state = gather.state
     itemsize = torch.empty(0, dtype=dtype).element_size()
-
-    def out_dtype(t: torch.Tensor) -> torch.dtype:
-        return dtype if t.is_floating_point() else t.dtype
-
     sizes = [(name, t.numel() * (itemsize if t.is_floating_point() else t.element_size()))
              for name, t in state.items()]
     files = plan_files(sizes, limit)
@@ -135,7 +121,7 @@ def save_pretrained(engine, save_dir: str, max_shard_size="5GB", dtype=None) -> 
         for name in keys:
             value = gather.value(name)
             if mine:
-                tensors[name] = _owning(value.to(out_dtype(state[name])))
+                tensors[name] = owning(value.to(_out_dtype(state[name], dtype)))
         if mine:
             path = os.path.join(save_dir, names[k])
             writer.write(tensors, path)
@@ -179,26 +165,20 @@ def save_16bit_model(engine, save_dir: str, filename: str = "model.safetensors")
         return False
     dtype = engine.precision.compute
     rank0 = engine.comm.rank == 0
-    try:
-        _refuse_unstreamable(engine, "save_16bit_model")
-        full = None
-    except NotImplementedError:
-        full = engine.consolidated_state_dict()  # collective: fp32 on every rank
-    gather = None if full is not None else _Gatherer(engine)
-    state = uncompiled(engine.module).state_dict(keep_vars=True)
-    values = ((name, full[name] if full is not None else gather.value(name))
-              for name in state)
-
-    def out_dtype(t: torch.Tensor) -> torch.dtype:
-        return dtype if t.is_floating_point() else t.dtype
-
+    if unsupported_layout(engine) is None:
+        gather = _Gatherer(engine)
+        state, fetch = gather.state, gather.value
+    else:  # NVMe or hybrid sharding: the whole fp32 model on every rank first (collective)
+        state = uncompiled(engine.module).state_dict(keep_vars=True)
+        fetch = engine.consolidated_state_dict().__getitem__
+    values = ((name, fetch(name)) for name in state)
     path = os.path.join(save_dir, filename)
     if rank0:
         os.makedirs(save_dir, exist_ok=True)
     if filename.endswith(".safetensors"):
-        out = fmt.StreamedSafetensors(path + ".tmp", [(n, out_dtype(t), tuple(t.shape)) for n, t
-                                                      in state.items()],
-                                      metadata={"format": "pt"}) if rank0 else None
+        specs = [(n, _out_dtype(t, dtype), tuple(t.shape)) for n, t in state.items()]
+        out = fmt.StreamedSafetensors(path + ".tmp", specs, metadata={"format": "pt"}) \
+            if rank0 else None
         for name, value in values:
             if rank0:
                 out.write(name, 0, value)  # cast to the header's dtype there
@@ -210,7 +190,7 @@ def save_16bit_model(engine, save_dir: str, filename: str = "model.safetensors")
             if rank0:  # tied names share one tensor, as in the model's own state_dict
                 key = id(state[name])
                 if key not in by_id:
-                    by_id[key] = value.to(out_dtype(state[name])).contiguous()
+                    by_id[key] = value.to(_out_dtype(state[name], dtype)).contiguous()
                 kept[name] = by_id[key]
         if rank0:
             torch.save(kept, path + ".tmp")
@@ -274,6 +254,5 @@ def _save_configs(module, save_dir: str, dtype: torch.dtype) -> list[str]:
             generation.save_pretrained(save_dir)
             written.append(os.path.join(save_dir, "generation_config.json"))
         except Exception as e:  # a generation config transformers itself would refuse
-            import warnings
             warnings.warn(f"save_pretrained: generation_config not written ({e})", stacklevel=3)
     return written

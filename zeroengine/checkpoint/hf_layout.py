@@ -15,6 +15,8 @@ import re
 
 import torch
 
+from .format import fsync_dir, fsync_file, write_json_atomic
+
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
@@ -54,10 +56,18 @@ def file_names(count: int) -> list[str]:
 
 def write_index(out_dir: str, total_size: int, weight_map: dict[str, str]) -> str:
     """``model.safetensors.index.json`` (written atomically, last: it names finished files)."""
-    from .format import write_json_atomic
     index = os.path.join(out_dir, INDEX)
     write_json_atomic(index, {"metadata": {"total_size": total_size}, "weight_map": weight_map})
     return index
+
+
+def owning(value: torch.Tensor) -> torch.Tensor:
+    """``value`` as a tensor owning its whole storage: safetensors writes a tensor's storage
+    whole, so a view (a slice, a tied or transposed weight) gets its own copy."""
+    if not value.is_contiguous() or value.storage_offset() != 0 or \
+            value.untyped_storage().nbytes() != value.numel() * value.element_size():
+        value = value.contiguous().clone()
+    return value
 
 
 class ShardedWriter:
@@ -80,12 +90,7 @@ class ShardedWriter:
         nbytes = tensor.numel() * tensor.element_size()
         if self._pending and self._pending_bytes + nbytes > self.limit:
             self._flush()
-        t = tensor.detach().to("cpu")
-        # safetensors writes a tensor that owns its storage, whole: a view gets its own copy
-        if not t.is_contiguous() or t.storage_offset() != 0 or \
-                t.untyped_storage().nbytes() != nbytes:
-            t = t.contiguous().clone()
-        self._pending[name] = t
+        self._pending[name] = owning(tensor.detach().to("cpu"))
         self._pending_bytes += nbytes
         self.total_size += nbytes
 
@@ -93,7 +98,6 @@ class ShardedWriter:
         from safetensors.torch import save_file
         part = os.path.join(self.out_dir, f".part-{len(self._parts):05d}.safetensors")
         save_file(self._pending, part, metadata=self.metadata)
-        from .format import fsync_file
         fsync_file(part)  # on the disk before the index names it
         self._parts.append((part, list(self._pending)))
         self._pending, self._pending_bytes = {}, 0
@@ -111,6 +115,5 @@ class ShardedWriter:
         if len(names) > 1:
             written.append(write_index(self.out_dir, self.total_size, weight_map))
         else:
-            from .format import fsync_dir
             fsync_dir(self.out_dir)  # the rename to model.safetensors is on the disk too
         return written

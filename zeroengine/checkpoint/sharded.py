@@ -79,6 +79,24 @@ def _set_rng_state(state: dict) -> None:
 
 
 # -- save ------------------------------------------------------------------------------------------
+def unsupported_layout(engine) -> str | None:
+    """What keeps the exports that read the flat groups' masters directly (save_pretrained,
+    save_16bit_model's stream, the DCP save) from this engine, or None: masters swapped to
+    NVMe or held by hybrid shard groups are not read that way yet."""
+    if engine.optimizer.swap is not None:
+        return "with the optimizer state on NVMe (offload_optimizer.device 'nvme')"
+    if engine.topology.shard.world_size not in (1, engine.comm.world_size):
+        return "under hybrid sharding (zero_hpz / mics groups)"
+    return None
+
+
+def refuse_unsupported_layouts(engine, what: str, instead: str) -> None:
+    """``unsupported_layout`` refused by name, saying what to do ``instead``."""
+    layout = unsupported_layout(engine)
+    if layout is not None:
+        raise NotImplementedError(f"{what} {layout} is not supported yet: {instead}")
+
+
 def checked_tag(tag: str | None, engine) -> str:
     """``tag`` (default ``global_step<N>``), refused unless it is a plain directory name."""
     tag = tag or f"global_step{engine.global_steps}"
@@ -237,13 +255,11 @@ def _meta(engine, names, groups_meta, files, tag) -> dict:
         for entry, (name, _, _) in enumerate(g["params"]):
             index[name] = [gi, entry]
     opt = engine.optimizer
-    scaler = opt.loss_scaler
     return {
         "format": fmt.FORMAT_VERSION, "zeroengine": __version__, "tag": tag,
         "stage": engine.stage, "world_size": engine.comm.world_size,
         "shard_group_size": engine.topology.shard.world_size,
-        **engine.clock.state(), "optimizer_steps": opt.steps,
-        "loss_scaler": _jsonable(scaler.state_dict()) if scaler is not None else None,
+        **counters(engine),
         "optimizer": {"class": opt.base_class.__name__,
                       "inner_class": opt.inner_name,
                       "param_groups": [_jsonable({k: v for k, v in g.items() if k != "params"})
@@ -251,6 +267,14 @@ def _meta(engine, names, groups_meta, files, tag) -> dict:
         "groups": groups_meta, "index": index, "state_dict_keys": state_dict_keys,
         "files": files, "hf_config": _hf_config(uncompiled(engine.module)),
     }
+
+
+def counters(engine) -> dict:
+    """The step clock, the optimizer's step count and the loss scaler, as JSON (what
+    ``load_checkpoint`` restores them from)."""
+    scaler = engine.optimizer.loss_scaler
+    return {**engine.clock.state(), "optimizer_steps": engine.optimizer.steps,
+            "loss_scaler": _jsonable(scaler.state_dict()) if scaler is not None else None}
 
 
 def _hf_config(module) -> dict | None:
@@ -280,7 +304,7 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, *,
         fmt.resolve(load_dir, tag, missing_ok)
     if path is None:
         return None, None
-    source = open_checkpoint(path)  # zeroengine's own, or DeepSpeed's
+    source = open_checkpoint(path)  # zeroengine's own, DeepSpeed's or a DCP directory
     meta, reader = source.meta, source.reader
     names = _names(engine)
     load_states = load_optimizer_states and not load_module_only

@@ -4,7 +4,8 @@
 state keys, counters, optimizer hyperparameters), ``reader`` (``read`` of a flat element range,
 ``full_parameter``) and ``extras(rank)`` (module entries outside the flat groups, the lr
 scheduler, client_state, RNG states) for zeroengine's own checkpoints, DeepSpeed's ZeRO ones
-and torch.distributed.checkpoint (FSDP2, torchtitan) directories alike, so loading and consolidation are written once.
+and torch.distributed.checkpoint (FSDP2, torchtitan) directories alike, so loading and
+consolidation are written once.
 """
 from __future__ import annotations
 
@@ -16,8 +17,6 @@ from .deepspeed_format import DeepSpeedCheckpoint, is_deepspeed_checkpoint
 
 
 class ZeroengineCheckpoint:
-    kind = "zeroengine"
-
     def __init__(self, path: str):
         self.dir = path
         self.meta = fmt.read_meta(path)
@@ -30,20 +29,12 @@ class ZeroengineCheckpoint:
         return fmt.load_extras(fmt.verify(self.dir, name, self.meta))
 
 
-class _DeepSpeed(DeepSpeedCheckpoint):
-    kind = "deepspeed"
-
-    @property
-    def reader(self):
-        return self
-
-
 def open_checkpoint(path: str):
     """The checkpoint in directory ``path`` (one tag), whichever writer made it."""
     if os.path.exists(os.path.join(path, fmt.META)):
         return ZeroengineCheckpoint(path)
     if is_deepspeed_checkpoint(path):
-        return _DeepSpeed(path)
+        return DeepSpeedCheckpoint(path)
     if is_dcp_checkpoint(path):
         return DcpCheckpoint(path)
     return ZeroengineCheckpoint(path)  # raises naming the missing meta.json

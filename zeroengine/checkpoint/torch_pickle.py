@@ -34,7 +34,8 @@ _STORAGE_DTYPES = {
     "LongStorage": torch.int64, "IntStorage": torch.int32, "ShortStorage": torch.int16,
     "CharStorage": torch.int8, "ByteStorage": torch.uint8, "BoolStorage": torch.bool,
 }
-_DTYPE_NAMES = {str(d).split(".")[-1]: d for d in _STORAGE_DTYPES.values()}
+# torch dtypes by the name a pickle gives them ("float32"), for allowlists
+DTYPE_NAMES = {str(d).split(".")[-1]: d for d in _STORAGE_DTYPES.values()}
 
 
 @dataclass(frozen=True)
@@ -240,12 +241,30 @@ def _latin1(text: str, encoding: str = "latin1") -> bytes:
     return text.encode("latin1")
 
 
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, file, archive: _Archive, records: dict):
+class AllowlistUnpickler(pickle.Unpickler):
+    """An unpickler that resolves only the (module, name) pairs of ``allowed`` (to the objects
+    given there) and refuses any other global by name: nothing a file names is imported."""
+
+    def __init__(self, file, path: str, allowed: dict):
         super().__init__(file)
+        self.path = path
+        self.allowed = allowed
+
+    def find_class(self, module: str, name: str):
+        found = self.allowed.get((module, name))
+        if found is None:
+            raise UnsafeOrUnreadable(
+                f"{self.path} pickles {module}.{name}, which zeroengine does not execute or "
+                "import when reading a checkpoint (only tensors, containers and known record "
+                "types are read)")
+        return found
+
+
+class _Unpickler(AllowlistUnpickler):
+    def __init__(self, file, archive: _Archive, records: dict):
         self._archive = archive
         rebuild = _rebuild_tensor(archive)
-        self._allowed = {
+        super().__init__(file, archive.path, {
             ("collections", "OrderedDict"): collections.OrderedDict,
             ("builtins", "set"): set, ("builtins", "frozenset"): frozenset,
             ("builtins", "slice"): slice, ("builtins", "complex"): complex,
@@ -260,18 +279,9 @@ class _Unpickler(pickle.Unpickler):
             ("torch.nn.parameter", "Parameter"): _TensorType,
             ("torch", "device"): str,
             **{("torch", name): name for name in _STORAGE_DTYPES},
-            **{("torch", name): dtype for name, dtype in _DTYPE_NAMES.items()},
+            **{("torch", name): dtype for name, dtype in DTYPE_NAMES.items()},
             **records,
-        }
-
-    def find_class(self, module: str, name: str):
-        found = self._allowed.get((module, name))
-        if found is None:
-            raise UnsafeOrUnreadable(
-                f"{self._archive.path} pickles {module}.{name}, which zeroengine does not "
-                "execute or import when reading a checkpoint (only tensors, containers and "
-                "known record types are read)")
-        return found
+        })
 
     def persistent_load(self, saved_id):
         if not (isinstance(saved_id, tuple) and saved_id and saved_id[0] == "storage"):

@@ -26,15 +26,16 @@ def _consolidate(args) -> int:
     except ValueError as e:
         print(f"zeroengine consolidate: {e}", file=sys.stderr)
         return 2
+    source = open_checkpoint(path)  # read once: DeepSpeed's pickles are parsed here
     # a tensor at a time, a file at a time: about one output file in memory
-    written = fmt.write_consolidated(path, args.out, limit, dtype)
-    hf_config = open_checkpoint(path).meta.get("hf_config")
+    written = fmt.write_consolidated(source, args.out, limit, dtype)
+    hf_config = source.meta.get("hf_config")
     if hf_config is not None:  # saved from a transformers model: make the directory loadable
         fmt.write_json_atomic(os.path.join(args.out, "config.json"), hf_config)
         written.append(os.path.join(args.out, "config.json"))
     if args.pt:  # one torch.save'd dict: this one holds the whole model in memory
         import torch
-        state = fmt.consolidated_state_dict(path)
+        state = fmt.consolidated_state_dict(source)
         torch.save(state, os.path.join(args.out, "pytorch_model.pt"))
         written.append(os.path.join(args.out, "pytorch_model.pt"))
     print(f"{path} -> {', '.join(written)}")
@@ -239,10 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(run=_train)
 
     c = sub.add_parser("consolidate", help="write the model's weights from a sharded checkpoint "
-                       "(zeroengine's or DeepSpeed's ZeRO, any world size) in the Hugging Face "
-                       "layout, a file at a time")
+                       "(zeroengine's, DeepSpeed's ZeRO or a torch.distributed.checkpoint "
+                       "directory, any world size) in the Hugging Face layout, a file at a time")
     c.add_argument("checkpoint_dir", help="the save_dir given to engine.save_checkpoint "
-                   "(its latest tag is used), or one checkpoint directory in it")
+                   "or DeepSpeed's (its latest tag is used), or one checkpoint directory")
     c.add_argument("out", help="output directory")
     c.add_argument("--tag", default=None, help="checkpoint tag (default: the latest)")
     c.add_argument("--pt", action="store_true", help="also write pytorch_model.pt (holds "
