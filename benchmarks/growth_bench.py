@@ -19,6 +19,7 @@ per step (loopback counters). The table gives each row's ratio to DDP at the sam
 
     DS_ACCELERATOR=cpu python benchmarks/growth_bench.py [--blocks 50,200,400]
         [--widths 128,384] [--variants ddp,ze1,ze2,ze3,fsdp2,ds3] [--repeats 3] [--json out]
+        [--ours-zero '{"stage3_fetch_unit_size": 0}']
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 from benchmarks.compare import _engine_step, loopback_tx_bytes, rss_now, rss_peak  # noqa: E402
 from zeroengine.testing import run_ranks  # noqa: E402
 
+OURS_ZERO_ENV = "ZEROENGINE_GROWTH_ZERO"  # --ours-zero, for the spawned ranks
 LR = {"lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.1}
 MICRO = 8
 
@@ -71,7 +73,8 @@ def build(variant: str, blocks: int, width: int):
     if variant.startswith("ze"):
         import zeroengine
         config = {"train_micro_batch_size_per_gpu": MICRO,
-                  "zero_optimization": {"stage": int(variant[2])}}
+                  "zero_optimization": {"stage": int(variant[2]),
+                                        **json.loads(os.environ.get(OURS_ZERO_ENV, "{}"))}}
         torch.manual_seed(0)
         with zeroengine.zero_init(config):
             model = Deep(blocks, width)
@@ -152,7 +155,11 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--ours-zero", default=None, help="JSON merged into our rows' "
+                    "zero_optimization (e.g. '{\"stage3_fetch_unit_size\": 0}')")
     args = ap.parse_args(argv)
+    if args.ours_zero:
+        os.environ[OURS_ZERO_ENV] = json.dumps(json.loads(args.ours_zero))
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     variants = args.variants.split(",")

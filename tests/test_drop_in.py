@@ -342,14 +342,15 @@ def sgd_reference(model_class, world: int = 2) -> dict:
     return {k: v.detach().float() for k, v in model.state_dict().items()}
 
 
-def attention_loop(stage: int):
+def attention_loop(stage: int, unit: int | None = None):
     import zeroengine
     torch.manual_seed(0)
     model = AttentionNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    grouping = {} if unit is None else {"stage3_fetch_unit_size": unit}
     engine = zeroengine.initialize(model, {"zero_optimization": {
-        "stage": stage, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 500}},
-        optimizer=opt)
+        "stage": stage, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 500,
+        **grouping}}, optimizer=opt)
     for step in range(STEPS):
         tokens, targets = batch(step, 0, engine.comm.rank)
         loss_fn(model(tokens), targets).backward()
@@ -360,12 +361,14 @@ def attention_loop(stage: int):
     return state
 
 
-def test_multihead_attention_at_stage3_without_annotation():
+@pytest.mark.parametrize("unit", [None, 500], ids=["default-units", "grouped-units"])
+def test_multihead_attention_at_stage3_without_annotation(unit):
     """nn.MultiheadAttention reads out_proj.weight without calling out_proj; the root reads
-    its own parameter: both are gathered on demand, in forward and backward. (SGD: the key
-    bias's true gradient is zero, and Adam would turn its rounding noise into steps.)"""
+    its own parameter: both are gathered on demand, in forward and backward - also when
+    out_proj shares a fetch unit with modules that run. (SGD: the key bias's true gradient is
+    zero, and Adam would turn its rounding noise into steps.)"""
     expected = sgd_reference(AttentionNet)
-    for rank, state in enumerate(run_ranks(2, attention_loop, 3)):
+    for rank, state in enumerate(run_ranks(2, attention_loop, 3, unit)):
         err, where = max_relative_error(state, expected)
         assert err <= 1e-5, f"rank {rank}: {err:.2e} at {where}"
 

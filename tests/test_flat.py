@@ -134,3 +134,36 @@ def test_checkpoint_locate_finds_every_element_where_the_layout_put_it(shapes, w
                 assert holder[(index, begin + covered + k)] == (piece.rank, piece.shard_offset + k)
             covered += piece.numel
         assert covered == count
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(sizes=st.lists(st.integers(1, 50), min_size=1, max_size=15), target=st.integers(0, 120),
+       data=st.data())
+def test_fetch_units_group_consecutive_modules_up_to_the_target(sizes, target, data):
+    """stage3_fetch_unit_size: owners (module indices) grouped in order, each unit within the
+    target unless it is one module, no unit that could have taken its successor, 0 = one unit
+    per module; parameters of one module always share a unit."""
+    from zeroengine.core.param_layout import fetch_units
+    # parameters in reverse module order, as the engine lays them out; 1-3 per module
+    counts = [data.draw(st.integers(1, 3)) for _ in sizes]
+    owners = [m for m in reversed(range(len(sizes))) for _ in range(counts[m])]
+    numels = [max(1, sizes[m] // counts[m]) for m in owners]
+    units = fetch_units(owners, numels, target)
+    unit_of = {}
+    for o, u in zip(owners, units):
+        assert unit_of.setdefault(o, u) == u  # a module is never split
+    total = {m: sum(n for o, n in zip(owners, numels) if o == m) for m in unit_of}
+    ordered = [unit_of[m] for m in sorted(unit_of)]
+    assert ordered == sorted(ordered) and ordered[0] == 0  # contiguous, in module order
+    assert set(ordered) == set(range(ordered[-1] + 1))
+    members: dict[int, list[int]] = {}
+    for m in sorted(unit_of):
+        members.setdefault(unit_of[m], []).append(m)
+    for u, ms in members.items():
+        size = sum(total[m] for m in ms)
+        assert len(ms) == 1 or size <= target
+        nxt = members.get(u + 1)
+        if nxt:  # greedy: the next module did not fit
+            assert size + total[nxt[0]] > target
+    if target == 0:
+        assert len(members) == len(sizes)

@@ -213,6 +213,15 @@ class ZeroConfig:
         "entering such a module gathers every parameter under it, and its children are not "
         "fetched on their own. For MoE-style blocks whose experts run on some ranks only "
         "(DeepSpeed's set_z3_leaf_modules), so that every rank gathers the same parameters.")
+    stage3_fetch_unit_size: int = option(
+        AUTO, "Stage 3: consecutive modules (in registration order) are grouped into fetch "
+        "units of up to this many elements; a unit is gathered with one all-gather and its "
+        "gradient reduce-scattered as one bucket, so a deep model of small modules makes a few "
+        "large collectives instead of a latency-bound one per module (FSDP2 groups a "
+        "fully_shard unit the same way). A module larger than this is a unit of its own. "
+        "0: one unit per module. \"auto\": a sixteenth of the partitioned elements, at most "
+        "reduce_bucket_size (~16 gathers per pass; measured in benchmarks/growth_bench.py).",
+        lo=0, auto=True)
     stage3_max_live_parameters: int = option(1_000_000_000, "Stage 3: most gathered elements "
                                              "alive at once.", lo=0,
                                              aliases=("max_live_parameters",))
@@ -688,6 +697,16 @@ def auto_stage3_window(partitioned_numel: float, largest_segment_numel: float) -
     stays a fraction of the model at any size. The engine resolves it from the model it lays
     out (ParamFetcher), the scale model from the job it predicts."""
     return int(max(2 * largest_segment_numel, partitioned_numel // 8))
+
+
+def auto_fetch_unit(partitioned_numel: int, bucket_numel: int) -> int:
+    """What "auto" means for stage3_fetch_unit_size, in elements: a sixteenth of the
+    partitioned model, at most a gradient bucket (reduce_bucket_size; a segment never spans
+    more). A deep model of small modules then makes ~16 gathers per pass rather than one per
+    module, while the gathered window (two units, auto_stage3_window) stays an eighth of the
+    model. A module larger than the unit (any matrix over reduce_bucket_size elements, as in
+    models past a few billion parameters) stays a unit of its own, as before grouping."""
+    return int(min(bucket_numel, partitioned_numel // 16))
 
 
 def model_hidden_size(module) -> int | None:

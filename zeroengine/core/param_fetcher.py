@@ -10,6 +10,11 @@ In backward a segment is released as soon as every parameter in it has had its g
 (GradReducer calls ``grads_taken``), and whatever is still gathered when backward ends
 is released then (parameters that got no gradient).
 
+Fetch units (param_layout.fetch_units): consecutive small modules share segments, so one
+all-gather serves several modules. Such a segment stays gathered until every module of its unit
+that runs in forward has run (the ones the first step never saw run, such as
+nn.MultiheadAttention's out_proj, are not waited for), and its gradient is one bucket.
+
 Releasing empties the storage of the segment's full tensor (see flat_param_group.py); gathering
 refills it, so the model's parameter objects never change.
 
@@ -58,6 +63,9 @@ class _Gathered:
     in_backward: bool = False  # gathered for a backward computation
     exact: bool = True  # False: gathered int8-quantized (qwZ); a user block regathers it
     keep_secondary: bool = False  # hpZ: once gathered, keep the node's slice (see _wait)
+    # a fetch unit of several modules: the ones whose forward has not yet run since it was
+    # gathered (it stays gathered for them); None: not acquired by a module's forward yet
+    pending: set[int] | None = None
 
     @property
     def held(self) -> bool:
@@ -120,9 +128,17 @@ class ParamFetcher:
         self._param_names = {id(p): name for name, p in uncompiled(module).named_parameters()}
         self._hooks = []
         self.module_keys: dict[nn.Module, list[Key]] = {}
+        # segment -> the modules whose own parameters it holds (several: a fetch unit grouping
+        # modules, param_layout.fetch_units); a parameter belongs to the first module holding it
+        self._members: dict[Key, set[int]] = {}
+        claimed: set[int] = set()
         for mod, leaf in _fetch_units(module, set(leaf_modules)):
-            keys = sorted({where[id(p)] for p in mod.parameters(recurse=leaf)
-                           if id(p) in where})
+            own = [p for p in mod.parameters(recurse=leaf) if id(p) in where]
+            keys = sorted({where[id(p)] for p in own})
+            for p in own:
+                if id(p) not in claimed:
+                    claimed.add(id(p))
+                    self._members.setdefault(where[id(p)], set()).add(id(mod))
             # The root always: a parameter read in its own forward code is gathered for it.
             if keys or mod is module:
                 self.module_keys[mod] = keys
@@ -146,6 +162,7 @@ class ParamFetcher:
         # The first step records the order of first requests, per phase (backward runs the
         # other way); later steps prefetch along it.
         self._recording: dict[str, _Order] | None = {"forward": _Order(), "backward": _Order()}
+        self._ran: set[int] = set()  # modules whose forward ran while recording
         self._orders: dict[str, list[Key]] = {"forward": [], "backward": []}
         self._positions: dict[str, dict[Key, int]] = {"forward": {}, "backward": {}}
         # elements gathered before each position of an order: _before[phase][i]
@@ -166,13 +183,15 @@ class ParamFetcher:
             if self._root_depth == 1 and self._first_forward and is_compiled(self.root):
                 self._stance = eager_stance()
         self._running.append(module)
-        self.acquire(self.module_keys[module])
+        if self._recording is not None:
+            self._ran.add(id(module))
+        self.acquire(self.module_keys[module], module=module)
 
     def _post_forward(self, module, args, output):
         if self._running and self._running[-1] is module:
             self._running.pop()
         keys = self.module_keys[module]
-        self.release(keys)
+        self.release(keys, module=module)
         if torch.is_grad_enabled() and keys:
             # The gradient of an output exists just before the module's own backward runs.
             # A plain tensor hook survives later in-place ops on the output (it then sees the
@@ -192,6 +211,8 @@ class ParamFetcher:
         self._running.clear()  # a forward that raised inside never ran its post hooks
         self._reached["forward"] = -1
         if not torch.is_grad_enabled():  # no backward follows: drop unused prefetches now
+            for entry in self.gathered.values():
+                entry.pending = None
             self.release_unheld()
 
     def read_released(self, param: torch.Tensor, what: str) -> None:
@@ -357,19 +378,25 @@ class ParamFetcher:
         self._wait(entry)  # never free memory a collective is still writing
         self.groups[key[0]].segment_full[key[1]].untyped_storage().resize_(0)
 
-    def acquire(self, keys: list[Key], user: bool = False) -> None:
-        """Gather ``keys`` (if needed) and hold them until ``release``."""
+    def acquire(self, keys: list[Key], user: bool = False,
+                module: nn.Module | None = None) -> None:
+        """Gather ``keys`` (if needed) and hold them until ``release``; ``module``: the
+        module whose forward holds them."""
         for key in keys:
             entry = self._ready(key, user)
             if user:
                 entry.user_refs += 1
             else:
                 entry.refs += 1
+                if module is not None and entry.pending is None:
+                    members = self._members.get(key, ())
+                    entry.pending = set(members) if len(members) > 1 else set()
         self._prefetch_after(keys)
 
     def release(self, keys: list[Key], user: bool = False,
-                keep_for_backward: bool = False) -> None:
-        """Drop a hold; the segment is freed when nothing holds it, unless
+                keep_for_backward: bool = False, module: nn.Module | None = None) -> None:
+        """Drop a hold; the segment is freed when nothing holds it and every module of its
+        fetch unit has run (``module``: the one whose forward ended), unless
         ``keep_for_backward`` keeps it until the end of the next backward."""
         for key in keys:
             entry = self.gathered.get(key)
@@ -379,8 +406,13 @@ class ParamFetcher:
                 entry.user_refs -= 1
             else:
                 entry.refs = max(0, entry.refs - 1)
+                if entry.pending and module is not None:
+                    entry.pending.discard(id(module))
             entry.in_backward = entry.in_backward or keep_for_backward
-            if not entry.held and not entry.in_backward and not self._reused_soon(key):
+            # kept for reuse only at the end of a module's forward: a user block left after
+            # the pass is no forward, and its segment would stay gathered into the next step
+            if not entry.held and not entry.in_backward and not entry.pending \
+                    and (module is None or not self._reused_soon(key)):
                 self._free(key)
 
     def write_back(self, keys: list[Key], src: int) -> None:
@@ -415,13 +447,17 @@ class ParamFetcher:
         fix the prefetch order after the first step. Module holds are cleared too: a forward
         cut short (non-reentrant checkpointing stops recomputing as soon as it has what backward
         needs; or an exception) never ran its modules' release hooks."""
-        for entry in self.gathered.values():
-            entry.refs = 0
+        for entry in self.gathered.values():  # what a user block holds on is not backward's
+            entry.refs, entry.pending, entry.in_backward = 0, None, False
         self.release_unheld()
         self._reached = {"forward": -1, "backward": -1}
         self.passes += 1
         self._phase = "forward"
         if self._recording is not None and self._recording["backward"].keys:
+            # a unit's module the model never calls (nn.MultiheadAttention's out_proj, read by
+            # its parent) must not keep the unit gathered: wait only for the ones that ran
+            for members in self._members.values():
+                members &= self._ran
             for phase, order in self._recording.items():
                 self._orders[phase] = order.keys
                 self._positions[phase] = {k: i for i, k in enumerate(order.keys)}

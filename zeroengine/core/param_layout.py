@@ -8,7 +8,7 @@ import warnings
 import torch
 import torch.nn as nn
 
-from ..config import ZeroConfig
+from ..config import AUTO, ZeroConfig, auto_fetch_unit
 from ..dist.comm import Comm
 from .flat_param_group import FlatParamGroup
 from .layout import bucket_params
@@ -33,16 +33,18 @@ def lay_out_parameters(module: nn.Module, optimizer: torch.optim.Optimizer,
     shard_world = shard.world_size if sharding.optimizer_state else 1
     bucket = max(1, zero.reduce_bucket_size)  # 0 (DeepSpeed accepts it): one parameter each
     offload_master = zero.offload_optimizer.device in ("cpu", "nvme")
-    owner: dict[int, int] = {}  # parameter -> index of the first module holding it
-    for mi, mod in enumerate(module.modules()):
-        for p in mod.parameters(recurse=False):
-            owner.setdefault(id(p), mi)
+    owner = parameter_owners(module, zero.stage3_leaf_modules)
     limit = zero.stage3_param_persistence_threshold
     to_partition = {id(p) for group in optimizer.param_groups for p in group["params"]
                     if sharding.parameters and p.requires_grad
                     and p.numel() >= limit}
     grouped = {id(p) for group in optimizer.param_groups for p in group["params"]
                if p.requires_grad}
+    unit_numel = zero.stage3_fetch_unit_size
+    if unit_numel == AUTO:
+        unit_numel = auto_fetch_unit(sum(p.numel() for group in optimizer.param_groups
+                                         for p in group["params"] if id(p) in to_partition),
+                                     bucket)
     for p in module.parameters():  # zero_init: whatever stays whole is made whole
         if is_sharded(p) and id(p) not in to_partition:
             make_whole(p, comm)
@@ -78,7 +80,9 @@ def lay_out_parameters(module: nn.Module, optimizer: torch.optim.Optimizer,
                     groups.append(FlatParamGroup(
                         split, gi, shard.rank, shard_world, bucket,
                         device, compute_dtype=dtype, partitioned=True,
-                        units=[owner[id(p)] for p in split], value_of=value_of,
+                        units=fetch_units([owner[id(p)] for p in split],
+                                          [p.numel() for p in split], unit_numel),
+                        value_of=value_of,
                         offload_master=offload_master,
                         offload_shard=zero.offload_param.device in ("cpu", "nvme"),
                         pin=pin, master_sink=master_sink, param_sink=param_sink))
@@ -96,6 +100,48 @@ def lay_out_parameters(module: nn.Module, optimizer: torch.optim.Optimizer,
                         deferred_params.done(p)
     deferred_params.finish()
     return groups
+
+
+def parameter_owners(module: nn.Module, leaf_names=()) -> dict[int, int]:
+    """id(parameter) -> index (in ``module.modules()`` order) of the module that fetches it at
+    stage 3: the first module holding it directly, or the outermost module of a class named in
+    stage3_leaf_modules above that one (such a module fetches its whole subtree)."""
+    leaf_names = set(leaf_names)
+    index = {id(m): i for i, m in enumerate(module.modules())}
+    owner: dict[int, int] = {}
+
+    def visit(mod: nn.Module, leaf: int | None, seen: set) -> None:
+        if id(mod) in seen:
+            return
+        seen.add(id(mod))
+        here = leaf
+        if here is None and type(mod).__name__ in leaf_names:
+            here = index[id(mod)]
+        for p in mod.parameters(recurse=False):
+            owner.setdefault(id(p), index[id(mod)] if here is None else here)
+        for child in mod.children():
+            visit(child, here, seen)
+    visit(module, None, set())
+    return owner
+
+
+def fetch_units(owners: list[int], numels: list[int], unit_numel: int) -> list[int]:
+    """Stage 3's fetch unit of each parameter: consecutive owning modules grouped until the
+    next would take the unit past ``unit_numel`` elements (a module larger than that is a unit
+    of its own; 0: one unit per module). A unit's segments are gathered as one all-gather and
+    reduced as one bucket, so a deep model of small modules makes a few large collectives
+    instead of a latency-bound one per module."""
+    size: dict[int, int] = {}
+    for o, n in zip(owners, numels):
+        size[o] = size.get(o, 0) + n
+    unit_of: dict[int, int] = {}
+    unit, filled = -1, 0
+    for o in sorted(size):  # module order: the order forward usually runs them in
+        if unit < 0 or filled + size[o] > unit_numel:
+            unit, filled = unit + 1, 0
+        unit_of[o] = unit
+        filled += size[o]
+    return [unit_of[o] for o in owners]
 
 
 def report_persistence(groups: list[FlatParamGroup], limit: int, comm: Comm) -> None:
