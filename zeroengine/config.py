@@ -220,8 +220,15 @@ class ZeroConfig:
         "large collectives instead of a latency-bound one per module (FSDP2 groups a "
         "fully_shard unit the same way). A module larger than this is a unit of its own. "
         "0: one unit per module. \"auto\": a sixteenth of the partitioned elements, at most "
-        "reduce_bucket_size (~16 gathers per pass; measured in benchmarks/growth_bench.py).",
+        "1,000,000 and reduce_bucket_size (measured in benchmarks/growth_bench.py).",
         lo=0, auto=True)
+    return_free_host_memory: bool = option(
+        False, "After each optimizer step, give the pages the C allocator (glibc) holds free "
+        "back to the system (malloc_trim), where host memory holds the training state (a CPU "
+        "device, or offload). A step frees many tensors of many sizes and glibc keeps much of "
+        "that memory resident as fragments: on the 25M GPT at stage 3 on CPU this cuts the peak "
+        "resident memory per rank by ~15% of DDP's, and costs ~6% of the step time in pages "
+        "faulted in again (benchmarks/compare.py; README \"Stage 3's memory\").")
     stage3_max_live_parameters: int = option(1_000_000_000, "Stage 3: most gathered elements "
                                              "alive at once.", lo=0,
                                              aliases=("max_live_parameters",))
@@ -699,14 +706,19 @@ def auto_stage3_window(partitioned_numel: float, largest_segment_numel: float) -
     return int(max(2 * largest_segment_numel, partitioned_numel // 8))
 
 
+# Past this many elements a unit gains little from more grouping: a gloo all-gather's fixed
+# cost (~0.3 ms) is then under 15% of its transfer (~2.3 ns an element), and larger transient
+# segments cost resident memory (benchmarks/growth_bench.py, README "Many modules").
+AUTO_FETCH_UNIT_MAX = 1_000_000
+
+
 def auto_fetch_unit(partitioned_numel: int, bucket_numel: int) -> int:
     """What "auto" means for stage3_fetch_unit_size, in elements: a sixteenth of the
-    partitioned model, at most a gradient bucket (reduce_bucket_size; a segment never spans
-    more). A deep model of small modules then makes ~16 gathers per pass rather than one per
-    module, while the gathered window (two units, auto_stage3_window) stays an eighth of the
-    model. A module larger than the unit (any matrix over reduce_bucket_size elements, as in
-    models past a few billion parameters) stays a unit of its own, as before grouping."""
-    return int(min(bucket_numel, partitioned_numel // 16))
+    partitioned model, at most AUTO_FETCH_UNIT_MAX and a gradient bucket (reduce_bucket_size;
+    a segment never spans more). A deep model of small modules then makes one collective per
+    ~1M elements rather than one per module; a model of large modules (a transformer's
+    matrices past ~1M elements each) keeps a unit per module, as before grouping."""
+    return int(min(bucket_numel, AUTO_FETCH_UNIT_MAX, partitioned_numel // 16))
 
 
 def model_hidden_size(module) -> int | None:

@@ -42,6 +42,7 @@ from .compiled import uncompiled
 from .drop_in import ForwardGuard, redirect_optimizer, register_parameters, unregister_parameters
 from .engine_queries import EngineQueries
 from .grad_reducer import GradReducer, ReduceSettings
+from .host_memory import heap_free_bytes
 from .optimizer_offload import OptimizerOffload
 from .param_fetcher import ParamFetcher, auto_window
 from .param_layout import lay_out_parameters, report_persistence
@@ -138,6 +139,8 @@ class ZeroEngine(EngineQueries):
             loss_scaler=scaler, offload=self.offload, fetcher=self.fetcher,
             param_names={id(p): n for n, p in uncompiled(module).named_parameters()},
             swap=swap, clock=self.clock)
+        self.optimizer.trim_host_heap = zero.return_free_host_memory and (
+            device.type == "cpu" or self.offload_optimizer or self.offload_param)
         self.clock.bind(self.optimizer)
         gathered.register(self.flat_groups, comm, self.fetcher)
         # the loop the user already has keeps working: their optimizer object and torch's
@@ -410,20 +413,33 @@ class ZeroEngine(EngineQueries):
         """Norm of the (unclipped) gradient applied at the last step, over all ranks."""
         return self.optimizer.last_grad_norm
 
-    def memory_report(self) -> dict[str, int]:
-        """Bytes this rank holds now for model states, by category: ``params``, ``grads`` and
-        ``optimizer_states`` on the training device, ``host_*`` the same offloaded to host
+    def memory_report(self, reset_peak: bool = False) -> dict[str, int]:
+        """Bytes this rank holds for model states, by category: ``params``, ``grads`` and
+        ``optimizer_states`` on the training device now, ``host_*`` the same offloaded to host
         memory (on a CPU-only machine both are RAM; the split says where the engine put them),
         ``total`` all of them; with NVMe offload ``nvme_optimizer_states`` and
         ``nvme_params``, the bytes of the master and state, and of the parameter shard, kept on
-        the drive (not in the total)."""
+        the drive (not in the total).
+
+        Where the peak is (since the engine was built, or the last ``reset_peak=True``):
+        ``gathered_params_peak`` - stage 3's most bytes of gathered segments at once (the
+        module running, prefetched ones, ones kept for backward), ``grad_buckets_peak`` - the
+        most bytes of gradient staging and reduce outputs in flight (stages 2-3),
+        ``peak_total`` - the states held permanently plus both peaks: the engine's own
+        memory at its peak (activations and autograd's temporaries are the model's). And
+        ``heap_free``: bytes the C allocator holds free (glibc; resident or not), the slack
+        the process can see - see zero_optimization.return_free_host_memory."""
         managed = {id(p) for p in self._managed_params()}
         params = sum(fg.nbytes() for fg in self.flat_groups)
-        if self.fetcher is not None:
-            params += self.fetcher.gathered_nbytes()
         params += sum(p.numel() * p.element_size() for p in self.module.parameters()
                       if id(p) not in managed)
+        gathered = gathered_peak = 0
+        if self.fetcher is not None:
+            params += self.fetcher.secondary_nbytes()
+            gathered = self.fetcher.gathered_nbytes()
+            gathered_peak = self.fetcher.peak_gathered_bytes
         grads = self.reducer.nbytes()
+        staging = self.reducer.staging_nbytes()
         states = sum(fg.master_nbytes() for fg in self.flat_groups)
         host_states = sum(fg.master_nbytes(host=True) for fg in self.flat_groups)
         if self.offload is not None:
@@ -436,15 +452,24 @@ class ZeroEngine(EngineQueries):
         host_params = sum(fg.nbytes(host=True) for fg in self.flat_groups)
         if self.param_swap is not None:
             host_params += self.param_swap.host_bytes()  # its cache and reads in flight
-        report = {"params": params, "grads": grads, "optimizer_states": states,
+        report = {"params": params + gathered, "grads": grads, "optimizer_states": states,
                   "host_params": host_params,
                   "host_grads": self.offload.nbytes() if self.offload is not None else 0,
                   "host_optimizer_states": host_states}
         report["total"] = sum(report.values())
+        report["gathered_params_peak"] = gathered_peak
+        report["grad_buckets_peak"] = self.reducer.peak_staging_bytes
+        report["peak_total"] = report["total"] - gathered - staging + gathered_peak + \
+            self.reducer.peak_staging_bytes
+        report["heap_free"] = heap_free_bytes()
         if swap is not None:  # on the drive, not in memory: outside the total
             report["nvme_optimizer_states"] = swap.file_bytes()
         if self.param_swap is not None:
             report["nvme_params"] = self.param_swap.file_bytes()
+        if reset_peak:
+            self.reducer.reset_peak()
+            if self.fetcher is not None:
+                self.fetcher.reset_peak()
         return report
 
     def comm_report(self, reset: bool = True) -> dict[str, dict[str, int]]:

@@ -49,6 +49,7 @@ class Bucket:
         self.ready: set[int] = set()
         self.staging: torch.Tensor | None = None  # no full buffer: the segment's gradients
         self.handle: Handle | None = None  # its collective, while in flight
+        self.counted = 0  # bytes of its temporary buffers (GradReducer._staged)
         self.finish = None  # callable run after the handle completes
         # hybrid sharding: the group's reduced chunk, to be all-reduced across the groups once
         # the reduce-scatter inside the group is done (then None: the second phase is on)
@@ -146,6 +147,10 @@ class GradReducer:
             for g in groups]
         self.state = ReductionState(owned_valid=[False] * len(groups))
         self.backward_count = 0  # backwards ever finished (never reset)
+        # stage 2-3 staging and accumulation buffers in flight now, and their high-water mark
+        # since reset_peak (memory_report)
+        self._staging_bytes = 0
+        self.peak_staging_bytes = 0
         self.on_backward_end = None  # called after each backward pass (wall_clock_breakdown)
         self._hooks = []
         for g in groups:
@@ -157,6 +162,19 @@ class GradReducer:
             for g in groups:
                 for p in g.params:
                     self._hooks.append(p.register_hook(self._before_accumulate))
+
+    def _staged(self, b: Bucket, buf: torch.Tensor) -> torch.Tensor:
+        """Count a bucket's temporary buffer until _finish_reduce lets it go."""
+        b.counted += buf.numel() * buf.element_size()
+        self._staging_bytes += buf.numel() * buf.element_size()
+        self.peak_staging_bytes = max(self.peak_staging_bytes, self._staging_bytes)
+        return buf
+
+    def staging_nbytes(self) -> int:
+        return self._staging_bytes
+
+    def reset_peak(self) -> None:
+        self.peak_staging_bytes = self._staging_bytes
 
     def _reduce_dtype(self, g: FlatParamGroup) -> torch.dtype:
         return self.reduce_dtype or g.dtype
@@ -208,8 +226,8 @@ class GradReducer:
             if bucket.staging is None:
                 # Uninitialised: every byte is written by a gradient, or zeroed at launch
                 # (padding, parameters that got none) - one memory pass saved per micro-step.
-                bucket.staging = torch.empty(seg.numel, dtype=self._reduce_dtype(g),
-                                             device=g.device)
+                bucket.staging = self._staged(bucket, torch.empty(
+                    seg.numel, dtype=self._reduce_dtype(g), device=g.device))
             bucket.staging[seg.local(layout.slots[index])].copy_(param.grad.reshape(-1))
             param.grad = None
         bucket.ready.add(index)
@@ -326,7 +344,8 @@ class GradReducer:
             source = grads if dtype == g.dtype else grads.to(dtype)
         else:
             if b.staging is None:  # no parameter of this bucket got a gradient here
-                b.staging = torch.zeros(seg.numel, dtype=dtype, device=g.device)
+                b.staging = self._staged(b, torch.zeros(seg.numel, dtype=dtype,
+                                                        device=g.device))
             else:
                 self._zero_unwritten(b)
             source = b.staging
@@ -341,7 +360,7 @@ class GradReducer:
         else:
             owned = self.owned_chunk(g, b.segment)
             accumulate = self.state.owned_valid[gi] and self.owned[gi] is not None
-            out = torch.empty_like(owned) if accumulate else owned
+            out = self._staged(b, torch.empty_like(owned)) if accumulate else owned
             if self.settings.quantize_block and self.hierarchy is not None:
                 b.handle = self.comm.reduce_scatter_quantized_2hop(
                     out, source, self.settings.quantize_block, *self.hierarchy, "avg",
@@ -395,6 +414,8 @@ class GradReducer:
             self.offload.grad_reduced(b.group, b.segment, self.owned_chunk(b.group, b.segment),
                                       self.state.final)
         b.handle, b.finish = None, None
+        self._staging_bytes -= b.counted
+        b.counted = 0
         b.staging = None  # stage 2: the bucket's memory goes back
         self.state.in_flight.remove(b)
 

@@ -173,6 +173,8 @@ class ParamFetcher:
         # there, which gathered the whole model a second time.
         self._reached = {"forward": -1, "backward": -1}
         self.gathers = 0  # all-gathers issued (for tests and reports)
+        self._gathered_bytes = 0  # bytes of the segments gathered now
+        self.peak_gathered_bytes = 0  # its high-water mark since reset_peak (memory_report)
         self.passes = 0  # backward passes ended
         self.prefetch_hits = 0
 
@@ -257,6 +259,8 @@ class ParamFetcher:
         entry = self._gather_into(key, full, g.chunk_on_device(s), prefetch, user)
         entry.verify = verify
         self.gathered[key] = entry
+        self._gathered_bytes += full.numel() * full.element_size()
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._gathered_bytes)
         self.gathers += 1
         return entry
 
@@ -376,7 +380,9 @@ class ParamFetcher:
     def _free(self, key: Key) -> None:
         entry = self.gathered.pop(key)
         self._wait(entry)  # never free memory a collective is still writing
-        self.groups[key[0]].segment_full[key[1]].untyped_storage().resize_(0)
+        full = self.groups[key[0]].segment_full[key[1]]
+        full.untyped_storage().resize_(0)
+        self._gathered_bytes -= full.numel() * full.element_size()
 
     def acquire(self, keys: list[Key], user: bool = False,
                 module: nn.Module | None = None) -> None:
@@ -540,8 +546,14 @@ class ParamFetcher:
         return sum(self._segment_numel(k) for k in self.gathered)
 
     def gathered_nbytes(self) -> int:
-        return sum(self.groups[k[0]].segment_full[k[1]].untyped_storage().nbytes()
-                   for k in self.gathered)
+        return self._gathered_bytes
+
+    def secondary_nbytes(self) -> int:
+        """hpZ: the node's slices this rank keeps between gathers."""
+        return sum(t.numel() * t.element_size() for t in self.secondary.values())
+
+    def reset_peak(self) -> None:
+        self.peak_gathered_bytes = self._gathered_bytes
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

@@ -27,6 +27,7 @@ from ..dist.handles import Handle
 from ..ops import CPUAdam, FusedAdam
 from .flat_param_group import FlatParamGroup
 from .grad_reducer import GradReducer
+from .host_memory import return_free_heap
 from .optimizer_chain import OptimizerChain, init_without_copying_groups
 from .optimizer_factory import (
     IMPLEMENTATION_KEYS,
@@ -250,6 +251,10 @@ class ShardedOptimizer(ShardStateIO, torch.optim.Optimizer):
             batches.append(current)
         return batches
 
+    # set by the engine where host memory holds the training state (a CPU device, offload):
+    # after each step the allocator's free pages go back to the system (host_memory.py)
+    trim_host_heap = False
+
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
@@ -270,6 +275,8 @@ class ShardedOptimizer(ShardStateIO, torch.optim.Optimizer):
             if self.offload is not None:
                 self.offload.finish_step()
             self.comm.step = self.steps + 1  # the next backward's collectives belong to it
+        if self.trim_host_heap:
+            return_free_heap()
         self.clock.optimizer_stepped(applied, backwards)
         return None
 
