@@ -215,3 +215,20 @@ def max_relative_error(a: dict, b: dict) -> tuple[float, str]:
 
 def clone_model(model):
     return copy.deepcopy(model)
+
+
+def proc_status_bytes(field: str) -> int:
+    """A size field of /proc/self/status (VmRSS, VmHWM, ...) in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def reset_peak_rss() -> int:
+    """Reset the kernel's peak-RSS mark to the current RSS (Linux >= 4.0) and return it, so
+    an earlier transient peak of this process cannot hide or inflate what follows."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return proc_status_bytes("VmRSS")

@@ -12,7 +12,9 @@ from models import (
     make_optimizer,
     max_relative_error,
     param_groups,
+    proc_status_bytes,
     reference_train,
+    reset_peak_rss,
 )
 
 from zeroengine.testing import run_ranks
@@ -168,14 +170,6 @@ def test_stage2_gradient_memory_stays_bounded_during_backward():
         assert peak <= after + 3 * bucket < params, (peak, after, bucket, params)
 
 
-def _proc_bytes(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
 def stage3_peak_against_report(return_free: bool):
     """A stage-3 model whose activations are negligible (8 x Linear(1024, 1024), batch 2):
     the process's peak resident memory over 3 steps, measured from after a warm-up engine (so
@@ -194,9 +188,7 @@ def stage3_peak_against_report(return_free: bool):
     warm.close()
     del warm
     gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
-    base = _proc_bytes("VmRSS")
+    base = reset_peak_rss()
     torch.manual_seed(0)
     with zeroengine.zero_init(config):
         model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)])
@@ -205,7 +197,7 @@ def stage3_peak_against_report(return_free: bool):
     for _ in range(3):
         engine.backward(engine(x).square().mean())
         engine.step()
-    rise = _proc_bytes("VmHWM") - base
+    rise = proc_status_bytes("VmHWM") - base
     report = engine.memory_report()
     window = engine.fetcher.prefetch_numel
     largest = max(seg.numel for fg in engine.flat_groups for seg in fg.layout.segments)

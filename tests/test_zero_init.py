@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from models import proc_status_bytes, reset_peak_rss
 
 from zeroengine.testing import run_ranks
 
@@ -29,24 +30,8 @@ class Big(nn.Module):
         return self.head(self.layers(x))
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-def _reset_peak() -> int:
-    """Reset the kernel's peak-RSS mark to the current RSS (Linux >= 4.0) and return it, so
-    an earlier transient peak of this process cannot hide or inflate what follows."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status("VmRSS")
-
-
 def _peak() -> int:
-    return _status("VmHWM")
+    return proc_status_bytes("VmHWM")
 
 
 def build(use_zero_init: bool):
@@ -56,7 +41,7 @@ def build(use_zero_init: bool):
     torch.manual_seed(1 + rank)  # different on every rank: rank 0's values must win
     # The first optimizer construction imports torch._dynamo (~70 MB of code): pay it first.
     torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
-    start = _reset_peak()
+    start = reset_peak_rss()
     if use_zero_init:
         with zeroengine.zero_init(CONFIG):
             model = Big()
