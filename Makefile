@@ -10,7 +10,7 @@ DEEPSPEED ?= deepspeed==0.19.8
 STAMP  := $(VENV)/.installed-$(subst =,_,$(TORCH))
 SOURCES := setup.py $(wildcard csrc/*/*.cpp csrc/*/*.cu csrc/*/*.cuh csrc/*/*.h)
 
-.PHONY: setup test demo nvme-demo bench compare docs clean
+.PHONY: setup test test-fast demo nvme-demo bench compare docs clean
 
 $(STAMP): $(SOURCES)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -32,6 +32,10 @@ setup: $(STAMP)
 
 test: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+
+# the tests that stay in the pytest process (tests/conftest.py marks them): ~30 s
+test-fast: setup
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m single_process tests
 
 demo: setup
 	$(PY) -m pip install -q tqdm matplotlib
