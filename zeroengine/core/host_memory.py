@@ -26,24 +26,26 @@ def zeros_on_demand(numel: int, dtype: torch.dtype, device: torch.device) -> tor
     return torch.frombuffer(mapping, dtype=dtype, count=numel)
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
 def _glibc():
     """The C library when it is glibc (malloc_trim and mallinfo2 exist), else None."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         libc.malloc_trim.argtypes = [ctypes.c_size_t]
         libc.malloc_trim.restype = ctypes.c_int
+        if hasattr(libc, "mallinfo2"):  # glibc >= 2.33
+            libc.mallinfo2.restype = _MallInfo2
         return libc
     except (OSError, AttributeError):
         return None
 
 
 _LIBC = _glibc()
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-        "fordblks", "keepcost")]
 
 
 def return_free_heap() -> bool:
@@ -66,5 +68,4 @@ def heap_free_bytes() -> int:
     from inside the process (glibc's mallinfo2 fordblks; 0 where unavailable)."""
     if _LIBC is None or not hasattr(_LIBC, "mallinfo2"):
         return 0
-    _LIBC.mallinfo2.restype = _MallInfo2
     return int(_LIBC.mallinfo2().fordblks)

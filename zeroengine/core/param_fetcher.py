@@ -38,6 +38,7 @@ from ..dist.handles import GATHER, PREFETCH, Handle
 from .compiled import eager_stance, is_compiled, uncompiled
 from .drop_in import EngineHook
 from .flat_param_group import FlatParamGroup
+from .param_layout import fetching_modules, parameter_owners
 from .sharded_param import ShardedParameterAccessError, mark_sharded, unmark_sharded
 
 Key = tuple[int, int]  # (index of the partitioned group, segment)
@@ -129,16 +130,15 @@ class ParamFetcher:
         self._hooks = []
         self.module_keys: dict[nn.Module, list[Key]] = {}
         # segment -> the modules whose own parameters it holds (several: a fetch unit grouping
-        # modules, param_layout.fetch_units); a parameter belongs to the first module holding it
+        # modules, param_layout.fetch_units), by the rule the layout cut the units with
+        modules = list(module.modules())
         self._members: dict[Key, set[int]] = {}
-        claimed: set[int] = set()
-        for mod, leaf in _fetch_units(module, set(leaf_modules)):
-            own = [p for p in mod.parameters(recurse=leaf) if id(p) in where]
-            keys = sorted({where[id(p)] for p in own})
-            for p in own:
-                if id(p) not in claimed:
-                    claimed.add(id(p))
-                    self._members.setdefault(where[id(p)], set()).add(id(mod))
+        for p, owner in parameter_owners(module, leaf_modules).items():
+            if p in where:
+                self._members.setdefault(where[p], set()).add(id(modules[owner]))
+        for mod, leaf in fetching_modules(module, leaf_modules):
+            keys = sorted({where[id(p)] for p in mod.parameters(recurse=leaf)
+                           if id(p) in where})
             # The root always: a parameter read in its own forward code is gathered for it.
             if keys or mod is module:
                 self.module_keys[mod] = keys
@@ -569,29 +569,6 @@ def auto_window(groups: list[FlatParamGroup]) -> int:
     auto_stage3_window)."""
     sizes = [seg.numel for g in groups for seg in g.layout.segments]
     return auto_stage3_window(sum(sizes), max(sizes, default=0))
-
-
-def _fetch_units(root: nn.Module, leaf_names: set[str]):
-    """(module, is_leaf) for every module that fetches parameters: all of them, except that
-    a module whose class is named in ``leaf_names`` fetches its whole subtree and its
-    descendants fetch nothing."""
-    found, seen = set(), set()
-    stack = [root]
-    while stack:
-        mod = stack.pop()
-        if id(mod) in seen:  # a module reachable twice fetches once
-            continue
-        seen.add(id(mod))
-        leaf = type(mod).__name__ in leaf_names
-        if leaf:
-            found.add(type(mod).__name__)
-        yield mod, leaf
-        if not leaf:
-            stack.extend(reversed(list(mod.children())))
-    missing = leaf_names - found
-    if missing:
-        raise ValueError(f"zero_optimization.stage3_leaf_modules names {sorted(missing)}, but "
-                         "the model has no module of such a class")
 
 
 def _tensor_leaves(output) -> list[torch.Tensor]:

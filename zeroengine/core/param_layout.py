@@ -33,7 +33,8 @@ def lay_out_parameters(module: nn.Module, optimizer: torch.optim.Optimizer,
     shard_world = shard.world_size if sharding.optimizer_state else 1
     bucket = max(1, zero.reduce_bucket_size)  # 0 (DeepSpeed accepts it): one parameter each
     offload_master = zero.offload_optimizer.device in ("cpu", "nvme")
-    owner = parameter_owners(module, zero.stage3_leaf_modules)
+    # stage 3's fetching module of each parameter: partitioned segments follow them
+    owner = parameter_owners(module, zero.stage3_leaf_modules) if sharding.parameters else {}
     limit = zero.stage3_param_persistence_threshold
     to_partition = {id(p) for group in optimizer.param_groups for p in group["params"]
                     if sharding.parameters and p.requires_grad
@@ -102,26 +103,39 @@ def lay_out_parameters(module: nn.Module, optimizer: torch.optim.Optimizer,
     return groups
 
 
+def fetching_modules(root: nn.Module, leaf_names=()):
+    """(module, is_leaf) for every module that fetches parameters: all of them, except that
+    a module whose class is named in ``leaf_names`` fetches its whole subtree and its
+    descendants fetch nothing."""
+    leaf_names = set(leaf_names)
+    found, seen = set(), set()
+    stack = [root]
+    while stack:
+        mod = stack.pop()
+        if id(mod) in seen:  # a module reachable twice fetches once
+            continue
+        seen.add(id(mod))
+        leaf = type(mod).__name__ in leaf_names
+        if leaf:
+            found.add(type(mod).__name__)
+        yield mod, leaf
+        if not leaf:
+            stack.extend(reversed(list(mod.children())))
+    missing = leaf_names - found
+    if missing:
+        raise ValueError(f"zero_optimization.stage3_leaf_modules names {sorted(missing)}, but "
+                         "the model has no module of such a class")
+
+
 def parameter_owners(module: nn.Module, leaf_names=()) -> dict[int, int]:
     """id(parameter) -> index (in ``module.modules()`` order) of the module that fetches it at
-    stage 3: the first module holding it directly, or the outermost module of a class named in
-    stage3_leaf_modules above that one (such a module fetches its whole subtree)."""
-    leaf_names = set(leaf_names)
+    stage 3 (``fetching_modules``): the first module holding it directly, or the module of a
+    class named in stage3_leaf_modules whose subtree holds it."""
     index = {id(m): i for i, m in enumerate(module.modules())}
     owner: dict[int, int] = {}
-
-    def visit(mod: nn.Module, leaf: int | None, seen: set) -> None:
-        if id(mod) in seen:
-            return
-        seen.add(id(mod))
-        here = leaf
-        if here is None and type(mod).__name__ in leaf_names:
-            here = index[id(mod)]
-        for p in mod.parameters(recurse=False):
-            owner.setdefault(id(p), index[id(mod)] if here is None else here)
-        for child in mod.children():
-            visit(child, here, seen)
-    visit(module, None, set())
+    for mod, leaf in fetching_modules(module, leaf_names):
+        for p in mod.parameters(recurse=leaf):
+            owner.setdefault(id(p), index[id(mod)])
     return owner
 
 
