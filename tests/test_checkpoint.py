@@ -204,7 +204,7 @@ def state_after_one_step(root):
 # Kill points: during the rank files (fsync of a shard, rank 1), and on rank 0 at each fsync of
 # a directory: after meta.json is in place, after the tmp directory is synced, after the rename
 # into place (latest still names A), after latest was replaced (then B is complete and named).
-KILLS = [("fsync_file", 1, 1), ("fsync_file", 0, 2), ("fsync_dir", 0, 1), ("fsync_dir", 0, 2),
+KILLS = [("fsync_fd", 1, 1), ("fsync_fd", 0, 2), ("fsync_dir", 0, 1), ("fsync_dir", 0, 2),
          ("fsync_dir", 0, 3), ("fsync_dir", 0, 4)]
 
 

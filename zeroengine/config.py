@@ -341,6 +341,47 @@ class CompileConfig:
 
 
 @dataclass
+class CheckpointWriterConfig:
+    """DeepSpeed's checkpoint writer; only ``decoupled`` (write in the background) applies."""
+    decoupled: bool = option(False, "Write checkpoints in the background (DeepSpeed's "
+                             "decoupled checkpoint engine): the same as checkpoint.async_save.")
+    type: str = option("fast", "DeepSpeed's writer implementation.", no_effect="each rank "
+                       "writes its own files with pwrite, hashing them on the way")
+    io_buffer_size: int = option(64 * 1024 ** 2, "DeepSpeed's writer buffer.", lo=0,
+                                 no_effect="files are written straight from the states (or "
+                                 "their staging copy)")
+    io_buffer_double: bool = option(True, "DeepSpeed's writer double buffering.",
+                                    no_effect="see io_buffer_size")
+    show_statistics: bool = option(False, "DeepSpeed's writer statistics.", no_effect="see "
+                                   "benchmarks/ckpt_bench.py")
+    data_parallel: Optional[str] = option(None, "DeepSpeed: which data-parallel ranks write.",
+                                          no_effect="every rank writes what it owns")
+    io_multiplier: int = option(1, "DeepSpeed's writer I/O multiplier.", lo=1,
+                                no_effect="see io_buffer_size")
+
+
+@dataclass
+class CheckpointConfig:
+    """How engine.save_checkpoint writes (DeepSpeed's ``checkpoint`` section)."""
+    async_save: bool = option(False, "Default of save_checkpoint(async_save=...): true returns "
+                              "a Future once the rank's states are copied to host staging "
+                              "memory and writes, fsyncs and commits in the background "
+                              "(docs: README, 'Checkpoints').")
+    tag_validation: str = option("Warn", "DeepSpeed: compare the save's tag across ranks.",
+                                 no_effect="tags are always compared; a save whose ranks pass "
+                                 "different tags fails on every rank",
+                                 choices=("Warn", "Ignore", "Fail", "WARN", "IGNORE", "FAIL",
+                                          "warn", "ignore", "fail"))
+    writer: Optional[CheckpointWriterConfig] = option(None, "DeepSpeed's checkpoint writer "
+                                                      "(only decoupled applies).")
+
+    @property
+    def background(self) -> bool:
+        """Whether saves default to asynchronous (ours, or DeepSpeed's decoupled writer)."""
+        return self.async_save or (self.writer is not None and self.writer.decoupled)
+
+
+@dataclass
 class Config:
     train_batch_size: Optional[int] = option(None, "Samples per optimizer step over all ranks: "
                                              "micro batch x accumulation steps x world size.",
@@ -383,6 +424,8 @@ class Config:
                                     "compile.md).")
     aio: AioConfig = option(AioConfig(), "Asynchronous file I/O of NVMe offload (DeepSpeed's "
                             "section; docs/nvme.md).")
+    checkpoint: CheckpointConfig = option(CheckpointConfig(), "How engine.save_checkpoint "
+                                          "writes.")
     tensorboard: TensorBoardConfig = option(TensorBoardConfig(), "DeepSpeed's TensorBoard "
                                             "monitor.")
     csv_monitor: CSVMonitorConfig = option(CSVMonitorConfig(), "DeepSpeed's CSV monitor.")

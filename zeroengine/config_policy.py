@@ -76,6 +76,12 @@ REFUSED: dict[str, tuple[str, Callable[[Any], bool]]] = {
        for k in ("deepcompile", "free_activation", "offload_activation", "offload_opt_states",
                  "offload_parameters", "autoep_non_moe")},
     "aio.use_gds": ("GPUDirect Storage is " + _FEATURE, _equals(False)),
+    "checkpoint.load_universal": ("DeepSpeed universal checkpoints are not read: "
+                                  "load_checkpoint reads DeepSpeed's ZeRO checkpoint directory "
+                                  "itself, at any world size", _equals(False)),
+    "checkpoint.use_node_local_storage": ("pass node_local=True to engine.save_checkpoint "
+                                          "(each rank's save_dir its own) instead",
+                                          _equals(False)),
     "compile.passes": ("DeepCompile passes are " + _FEATURE, lambda v: not v),
     "fp16.fp16_master_weights_and_grads": ("fp16 master weights and gradients (instead of "
                                            "fp32 masters) are " + _FEATURE, _equals(False)),
@@ -100,7 +106,9 @@ NO_EFFECT: dict[str, str] = {
     "bf16.immediate_grad_update": _INTERNAL,
     "bf16.check_grad_overflow": "a non-finite gradient is never applied: on_nonfinite decides "
                                 "('raise' by default; 'skip' skips the step as DeepSpeed does)",
-    "checkpoint": "checkpoint options are arguments of engine.save_checkpoint()",
+    "checkpoint.checkpoint_serialization": "checkpoints are safetensors files and a "
+                                           "torch.save archive read with weights_only=True",
+    "checkpoint.parallel_write": "every rank writes its own files in parallel already",
     "dataloader_drop_last": "zeroengine does not build data loaders",
     "activation_checkpointing": "it configures deepspeed.checkpointing, which a model run by "
                                 "zeroengine does not call: use torch.utils.checkpoint("

@@ -40,7 +40,11 @@ def _entry(rank, world_size, port, fn, args, queue):
             dist.destroy_process_group()
 
 
-def run_ranks(world_size: int, fn, *args, timeout: float = 300.0) -> list:
+def run_ranks(world_size: int, fn, *args, timeout: float = 300.0,
+              expect_dead: tuple[int, ...] = ()) -> list:
+    """``fn(*args)`` on each of ``world_size`` ranks; their results in rank order. A rank that
+    fails or dies fails the call, except the ranks in ``expect_dead`` (a test that kills one):
+    their exit is expected and their result is None."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -52,6 +56,8 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 300.0) -> list:
     errors = []
     deadline = time.monotonic() + timeout
     try:
+        for rank in expect_dead:
+            results[rank] = None
         while len(results) < world_size and not errors:
             try:
                 rank, ok, value = queue.get(timeout=0.5)
@@ -66,13 +72,15 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 300.0) -> list:
                 elif time.monotonic() > deadline:
                     raise TimeoutError(f"ranks still running after {timeout:.0f} s") from None
                 continue
-            if ok:
+            if rank in expect_dead:
+                errors.append(f"rank {rank} was expected to die but returned")
+            elif ok:
                 results[rank] = pickle.loads(value)
             else:
                 errors.append(f"rank {rank} failed:\n{value}")  # the others may now hang
     finally:
         for p in procs:
-            p.join(timeout=5 if errors else 30)
+            p.join(timeout=5 if errors or expect_dead else 30)
             if p.is_alive():
                 p.kill()
     if errors:

@@ -53,6 +53,10 @@ def fsync_file(path: str) -> None:
         os.fsync(f.fileno())
 
 
+def fsync_fd(fd: int) -> None:
+    os.fsync(fd)
+
+
 def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -233,21 +237,80 @@ class StreamedSafetensors:
             end += numel * itemsize
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+        self.path = path
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.write(self._fd, struct.pack("<Q", len(text)) + text)
+        head = struct.pack("<Q", len(text)) + text
         self._start = 8 + len(text)
-        os.ftruncate(self._fd, self._start + end)
+        self._end = self._start + end
+        # written front to back (every whole save), the file's sha256 is computed on the way
+        # instead of reading the file back; any other order falls back to reading it
+        self._hash, self._next = hashlib.sha256(), 0
+        try:
+            self._pwrite(memoryview(head), 0)
+            os.ftruncate(self._fd, self._end)
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _pwrite(self, data: memoryview, at: int) -> None:
+        if self._hash is not None and at == self._next:
+            self._hash.update(data)
+            self._next += len(data)
+        elif len(data):
+            self._hash = None
+        done = 0
+        while done < len(data):
+            done += os.pwrite(self._fd, data[done:], at + done)
 
     def write(self, name: str, element_offset: int, values: torch.Tensor) -> None:
         begin, itemsize, dtype = self._where[name]
         data = memoryview(values.detach().to("cpu", dtype).contiguous().reshape(-1)
                           .view(torch.uint8).numpy())
-        at, done = self._start + begin + element_offset * itemsize, 0
-        while done < len(data):
-            done += os.pwrite(self._fd, data[done:], at + done)
+        self._pwrite(data, self._start + begin + element_offset * itemsize)
+
+    def digest(self) -> str | None:
+        """The file's sha256 when every byte was written in order, else None."""
+        if self._hash is None or self._next != self._end:
+            return None
+        return self._hash.hexdigest()
 
     def close(self) -> None:
         os.close(self._fd)
+
+
+def write_safetensors(path: str, tensors: dict[str, torch.Tensor]) -> str:
+    """``tensors`` as a safetensors file at ``path`` (fsynced); returns its sha256. An OSError
+    (disk full, file-size limit) is raised as a CheckpointError naming the file."""
+    try:
+        writer = StreamedSafetensors(path, [(n, t.dtype, tuple(t.shape))
+                                            for n, t in tensors.items()])
+        try:
+            for name, value in tensors.items():
+                writer.write(name, 0, value)
+            fsync_fd(writer._fd)
+        finally:
+            writer.close()
+    except OSError as err:
+        raise CheckpointError(f"writing {path}: {os.strerror(err.errno) if err.errno else err}"
+                              f" (errno {err.errno})") from None
+    return writer.digest() or sha256_file(path)
+
+
+def write_bytes(path: str, data: bytes) -> str:
+    """``data`` as the file ``path`` (fsynced); its sha256. OSError as for write_safetensors."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view, done = memoryview(data), 0
+            while done < len(view):
+                done += os.write(fd, view[done:])
+            fsync_fd(fd)
+        finally:
+            os.close(fd)
+    except OSError as err:
+        raise CheckpointError(f"writing {path}: {os.strerror(err.errno) if err.errno else err}"
+                              f" (errno {err.errno})") from None
+    return hashlib.sha256(data).hexdigest()
 
 
 class ShardReader:

@@ -16,14 +16,15 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import warnings
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from ..core.compiled import uncompiled
 from . import format as fmt
+from .commit import agree, attempt
 from .format import CheckpointError
 from .sources import is_checkpoint, open_checkpoint
 
@@ -107,104 +108,17 @@ def checked_tag(tag: str | None, engine) -> str:
 
 def save_checkpoint(engine, save_dir: str, tag: str | None = None,
                     client_state: dict | None = None, node_local: bool = False,
-                    save_latest: bool = True) -> str:
-    """Collective: write this engine's checkpoint as ``<save_dir>/<tag>``; returns its path.
+                    save_latest: bool = True, async_save: bool | None = None):
+    """Collective: write this engine's checkpoint as ``<save_dir>/<tag>``; returns its path
+    (or, with ``async_save``, a Future of it: see saver.py).
 
     ``node_local``: ``save_dir`` is this rank's own directory, not one shared by all ranks (Ray
     Train, which uploads every worker's directory into one checkpoint). Each rank then makes and
     publishes its own directory; rank 0's also gets the metadata and ``latest``, so the union of
     all ranks' directories is the checkpoint. ``save_latest=False`` (DeepSpeed's): leave
     ``latest`` naming the checkpoint it named before."""
-    from safetensors.torch import save_file
-    comm = engine.comm
-    tag = checked_tag(tag, engine)
-    final = os.path.join(save_dir, tag)
-    tmp = final + ".tmp"
-    if comm.rank == 0 or node_local:
-        os.makedirs(save_dir, exist_ok=True)
-        if os.path.exists(tmp):  # left by a save that died
-            shutil.rmtree(tmp)
-        os.makedirs(tmp)
-    comm.barrier()
-
-    names = _names(engine)
-    tensors: dict[str, torch.Tensor] = {}
-    groups_meta = []
-    # NVMe offload: the master and state are written a tile at a time, never whole in memory
-    streamed = engine.optimizer.swap is not None
-    specs, to_stream = [], []
-    # hybrid sharding: every shard group holds the same states; the first one writes them
-    # (its ranks are world ranks 0..K-1, so the files read as a K-rank checkpoint's)
-    writes_states = engine.topology.shard_group_index == 0
-    for gi, fg in enumerate(engine.flat_groups):
-        if (fg.layout.world_size == 1 and comm.rank != 0) or not writes_states:
-            continue  # stage 0: one owner, rank 0 writes for all
-        owned = engine.optimizer.owned.get(gi)
-        if streamed:  # (tensor-wise optimizers are refused with NVMe offload)
-            elementwise, scalars = engine.optimizer.shard_state_kinds(fg)
-            numel = fg.layout.shard_numel
-            specs += [(f"{gi}.master", torch.float32, numel)] + \
-                [(f"{gi}.state.{key}", dtype, numel) for key, dtype in elementwise.items()]
-            to_stream.append((gi, fg, elementwise))
-        elif owned is None:
-            elementwise, scalars = engine.optimizer.shard_state(fg)
-        else:  # tensor-wise: each owner saves its parameters' whole state, by name
-            elementwise, scalars = {}, {}
-            tensors.update(_owned_state_tensors(engine, gi, fg, names))
-        if not streamed:
-            tensors[f"{gi}.master"] = fg.master_shard()
-            for key, value in elementwise.items():
-                tensors[f"{gi}.state.{key}"] = value
-        groups_meta.append({  # used by rank 0, which owns a part of every group
-            "optimizer_group": fg.group_index, "dtype": str(fg.dtype).replace("torch.", ""),
-            "shard_world": fg.layout.world_size, "partitioned": fg.partitioned,
-            "params": [[names[id(p)], list(slot.shape), slot.offset]
-                       for p, slot in zip(fg.params, fg.layout.slots)],
-            "segments": [[s.start, s.numel, s.shard_offset] for s in fg.layout.segments],
-            "state_keys": sorted(elementwise), "scalar_state": _jsonable(scalars),
-            # tensor-wise: the rank file holding each parameter's whole optimizer state
-            "owners": None if owned is None else list(owned.partition.owner)})
-    st_path = os.path.join(tmp, fmt.rank_file(comm.rank, "safetensors"))
-    if streamed:
-        writer = fmt.StreamedSafetensors(st_path, specs)
-        try:
-            for gi, fg, kinds in to_stream:
-                engine.optimizer.stream_shard_state(
-                    fg, kinds, lambda key, seg, values, gi=gi: writer.write(
-                        f"{gi}.master" if key == "master" else f"{gi}.state.{key}",
-                        seg.shard_offset, values))
-        finally:
-            writer.close()
-    else:
-        save_file(tensors, st_path)
-    extras = {"rng": _rng_state()}
-    if comm.rank == 0:
-        extras["client_state"] = client_state or {}
-        extras["module_rest"] = _module_rest(engine)
-        if engine.lr_scheduler is not None:
-            extras["lr_scheduler"] = engine.lr_scheduler.state_dict()
-    pt_path = os.path.join(tmp, fmt.rank_file(comm.rank, "pt"))
-    torch.save(extras, pt_path)
-    for path in (st_path, pt_path):
-        fmt.fsync_file(path)
-    digests = _gather_digests(comm, [fmt.sha256_file(st_path), fmt.sha256_file(pt_path)])
-
-    if comm.rank == 0:
-        files = {}
-        for rank, (st, pt) in enumerate(digests):
-            files[fmt.rank_file(rank, "safetensors")] = st
-            files[fmt.rank_file(rank, "pt")] = pt
-        meta = _meta(engine, names, groups_meta, files, tag)
-        fmt.write_json_atomic(os.path.join(tmp, fmt.META), fmt.seal(meta))
-        fmt.fsync_dir(tmp)
-        fmt.publish_dir(tmp, final)
-        if save_latest:
-            fmt.write_text_atomic(os.path.join(save_dir, fmt.LATEST), tag)
-    elif node_local:
-        fmt.fsync_dir(tmp)
-        fmt.publish_dir(tmp, final)
-    comm.barrier()
-    return final
+    return engine.checkpoints.save(save_dir, tag, client_state, node_local, save_latest,
+                                   async_save)
 
 
 def _owned_state_tensors(engine, gi: int, fg, names) -> dict[str, torch.Tensor]:
@@ -223,19 +137,6 @@ def _owned_state_tensors(engine, gi: int, fg, names) -> dict[str, torch.Tensor]:
                     f"optimizer state {key!r} of {name!r} is a {type(value).__name__}; "
                     "checkpoints hold tensors and numbers only")
     return out
-
-
-def _gather_digests(comm, hexes: list[str]) -> list[list[str]]:
-    """Every rank's file digests, on every rank (one small all-gather)."""
-    mine = torch.tensor(list(bytes.fromhex("".join(hexes))), dtype=torch.uint8)
-    if comm.world_size == 1:
-        rows = [mine]
-    else:
-        out = torch.empty(comm.world_size * mine.numel(), dtype=torch.uint8)
-        comm.all_gather(out, mine)
-        rows = out.view(comm.world_size, -1)
-    return [[bytes(row[i * 32:(i + 1) * 32].tolist()).hex() for i in range(len(hexes))]
-            for row in rows]
 
 
 def _module_rest(engine) -> dict[str, torch.Tensor]:
@@ -299,30 +200,97 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, *,
     (path, client_state), or (None, None) with ``missing_ok`` when nothing was saved yet (no
     directory, or no ``latest`` in it). ``load_rng_states``: each rank's torch, numpy and
     Python generators as they were at the save (a resume draws what the run straight through
-    would have drawn); False leaves them as they are (DeepSpeed's load_checkpoint)."""
+    would have drawn); False leaves them as they are (DeepSpeed's load_checkpoint).
+
+    Two phases (commit.py): every rank reads and verifies all it needs into staging memory,
+    then reports; only when every rank succeeded is anything applied to the engine. Otherwise
+    every rank raises the same CheckpointError and the engine holds what it held before."""
+    engine.checkpoints.wait()  # a save still being written
+    comm = engine.checkpoints.comm()
+    options = dict(load_optimizer_states=load_optimizer_states,
+                   load_lr_scheduler_states=load_lr_scheduler_states,
+                   load_module_only=load_module_only, load_rng_states=load_rng_states)
+    staged, err = attempt(_read, engine, load_dir, tag, missing_ok, options)
+    where = os.path.join(load_dir, tag) if tag is not None else load_dir
+    paths = agree(comm, f"load_checkpoint of {where}", err,
+                  None if staged is None else staged.path,
+                  "nothing was loaded: the engine holds what it held before")
+    if len(set(paths)) > 1:
+        raise CheckpointError(
+            f"load_checkpoint of {where}: the ranks found different checkpoints ("
+            + ", ".join(f"rank {r}: {p}" for r, p in enumerate(paths))
+            + "): is load_dir a directory every rank sees the same way?")
+    if staged.path is None:
+        return None, None
+    return _apply(engine, staged, options)
+
+
+@dataclass
+class _Staged:
+    """What one rank read for a load, before any of it reaches the engine."""
+    path: str | None
+    meta: dict | None = None
+    reader: object = None
+    extras: dict = field(default_factory=dict)  # rank 0's: module_rest, scheduler, client
+    rng: dict | None = None  # this rank's
+    groups: list = field(default_factory=list)  # per flat group: (master, shards, scalars)
+    owned: dict = field(default_factory=dict)  # tensor-wise flat group -> states
+    foreign_schedule: dict | None = None
+
+
+def _read(engine, load_dir: str, tag: str | None, missing_ok: bool, options) -> _Staged:
+    """Phase 1: resolve, verify and read everything this rank will load; the engine is not
+    touched (with NVMe offload the masters are read in phase 2, straight into the swap, from
+    files verified here)."""
     path = load_dir if tag is None and is_checkpoint(load_dir) else \
         fmt.resolve(load_dir, tag, missing_ok)
     if path is None:
-        return None, None
+        return _Staged(None)
     source = open_checkpoint(path)  # zeroengine's own, DeepSpeed's or a DCP directory
-    meta, reader = source.meta, source.reader
+    staged = _Staged(path, source.meta, source.reader)
     names = _names(engine)
-    load_states = load_optimizer_states and not load_module_only
+    load_states = options["load_optimizer_states"] and not options["load_module_only"]
     if load_states:
-        _check_optimizer_compatible(engine, meta, path)
-    extras = source.extras(0)
-    foreign_schedule = load_lr_scheduler_states and not load_module_only and \
-        extras.get("deepspeed_lr_scheduler")
-    if foreign_schedule:  # refused before anything is loaded
-        _check_deepspeed_scheduler(engine, foreign_schedule, path)
+        _check_optimizer_compatible(engine, staged.meta, path)
+    staged.extras = source.extras(0)
+    if options["load_lr_scheduler_states"] and not options["load_module_only"]:
+        staged.foreign_schedule = staged.extras.get("deepspeed_lr_scheduler")
+        if staged.foreign_schedule:
+            _check_deepspeed_scheduler(engine, staged.foreign_schedule, path)
     for fi, fg in enumerate(engine.flat_groups):
-        _load_group(engine, fg, names, meta, reader, load_states, path)
+        staged.groups.append(_read_group(engine, fg, names, staged.meta, staged.reader,
+                                         load_states, path))
         if load_states and fi in engine.optimizer.owned:
-            _load_owned_state(engine, fi, fg, names, meta, reader, path)
+            staged.owned[fi] = _read_owned_state(engine, fi, fg, names, staged.meta,
+                                                 staged.reader, path)
+    _check_module_rest(engine, staged.extras.get("module_rest", {}), path)
+    rank = engine.comm.rank
+    mine = staged.extras if rank == 0 else source.extras(rank)
+    staged.rng = mine.get("rng")  # DeepSpeed saves none
+    return staged
+
+
+def _apply(engine, staged: _Staged, options) -> tuple[str, dict | None]:
+    """Phase 2, after every rank read its part: the staged values into the engine."""
+    meta, path = staged.meta, staged.path
+    load_states = options["load_optimizer_states"] and not options["load_module_only"]
+    for fi, fg in enumerate(engine.flat_groups):
+        entry = staged.groups[fi]
+        if engine.optimizer.swap is not None:
+            _load_group_streamed(engine, fg, entry["located"], meta, staged.reader,
+                                 entry["state_keys"] if load_states else set(),
+                                 entry["scalars"])
+        else:
+            fg.load_master_shard(entry["master"])
+            if entry["shards"]:
+                engine.optimizer.load_shard_state(fg, entry["shards"], entry["scalars"])
+        if fi in staged.owned:
+            engine.optimizer.load_owned_state(fi, staged.owned[fi])
     engine.optimizer.republish()
-    _load_module_rest(engine, extras.get("module_rest", {}), path)
-    if load_module_only:
-        return path, extras.get("client_state")
+    _load_module_rest(engine, staged.extras.get("module_rest", {}), path)
+    client_state = staged.extras.get("client_state")
+    if options["load_module_only"]:
+        return path, client_state
     opt = engine.optimizer
     engine.clock.load(meta)
     opt.steps = meta["optimizer_steps"]
@@ -333,18 +301,17 @@ def load_checkpoint(engine, load_dir: str, tag: str | None = None, *,
             for key, value in saved.items():
                 if key in group and key not in ("foreach", "fused", "capturable"):
                     group[key] = tuple(value) if isinstance(group[key], tuple) else value
-    if load_lr_scheduler_states and engine.lr_scheduler is not None and "lr_scheduler" in extras:
-        engine.lr_scheduler.load_state_dict(extras["lr_scheduler"])
-    if foreign_schedule and engine.lr_scheduler is not None:
+    if options["load_lr_scheduler_states"] and engine.lr_scheduler is not None and \
+            "lr_scheduler" in staged.extras:
+        engine.lr_scheduler.load_state_dict(staged.extras["lr_scheduler"])
+    if staged.foreign_schedule and engine.lr_scheduler is not None:
         sched = engine.lr_scheduler  # DeepSpeed's iteration t is torch's last_epoch t + 1
-        sched.last_epoch = int(foreign_schedule["last_batch_iteration"]) + 1
+        sched.last_epoch = int(staged.foreign_schedule["last_batch_iteration"]) + 1
         sched._last_lr = [g["lr"] for g in sched.optimizer.param_groups]
-    rank = engine.comm.rank
-    mine = extras if rank == 0 else source.extras(rank)
-    if load_rng_states and "rng" in mine:  # DeepSpeed saves none
-        _set_rng_state(mine["rng"])
+    if options["load_rng_states"] and staged.rng is not None:
+        _set_rng_state(staged.rng)
     engine.optimizer.zero_grad()
-    return path, extras.get("client_state")
+    return path, client_state
 
 
 def _check_deepspeed_scheduler(engine, state: dict, path: str) -> None:
@@ -382,8 +349,10 @@ def _check_optimizer_compatible(engine, meta: dict, path: str) -> None:
             f"optimizer param groups, this optimizer {len(engine.optimizer.param_groups)}")
 
 
-def _load_group(engine, fg, names, meta, reader, load_states: bool, path: str) -> None:
-    """Fill the rank's master (and optimizer state) for every element the new layout gives it."""
+def _read_group(engine, fg, names, meta, reader, load_states: bool, path: str) -> dict:
+    """Read the rank's master (and optimizer state) for every element the new layout gives
+    it: {"master", "shards", "scalars", "located", "state_keys"}. With NVMe offload only the
+    files are verified here; phase 2 streams them into the swap."""
     state_keys: set[str] = set()
     scalars: dict = {}
     located = []
@@ -399,25 +368,33 @@ def _load_group(engine, fg, names, meta, reader, load_states: bool, path: str) -
             raise CheckpointError(f"parameter {name!r} has shape {tuple(expected)} but "
                                   f"{path} saved {tuple(shape)}")
         located.append((piece, gi, offset))
-        state_keys.update(meta["groups"][gi]["state_keys"])
-        scalars.update(meta["groups"][gi]["scalar_state"])
+    # the group's scalar state (Adam's step) and state keys, from every parameter of it: a
+    # rank whose chunk holds only padding has no pieces but steps the same as the others
+    for p in fg.params:
+        if names[id(p)] in meta["index"]:
+            saved = meta["groups"][meta["index"][names[id(p)]][0]]
+            state_keys.update(saved["state_keys"])
+            scalars.update(saved["scalar_state"])
+    out = {"master": None, "shards": {}, "scalars": scalars, "located": located,
+           "state_keys": state_keys}
     if engine.optimizer.swap is not None:
-        _load_group_streamed(engine, fg, located, meta, reader,
-                             state_keys if load_states else set(), scalars)
-        return
+        for piece, gi, offset in located:  # open (and checksum) every file phase 2 reads
+            reader.read(gi, "master", offset + piece.param_offset, 0, torch.empty(0))
+        return out
     master = torch.zeros(fg.layout.shard_numel, dtype=torch.float32)
     for piece, gi, offset in located:
         reader.read(gi, "master", offset + piece.param_offset, piece.numel,
                     piece.of_shard(master))
-    fg.load_master_shard(master)
+    out["master"] = master
     if not load_states or not state_keys:
-        return
+        return out
     shards = {key: torch.zeros(fg.layout.shard_numel, dtype=torch.float32) for key in state_keys}
     for piece, gi, offset in located:
         for key in meta["groups"][gi]["state_keys"]:
             reader.read(gi, f"state.{key}", offset + piece.param_offset, piece.numel,
                         piece.of_shard(shards[key]))
-    engine.optimizer.load_shard_state(fg, shards, scalars)
+    out["shards"] = shards
+    return out
 
 
 def _load_group_streamed(engine, fg, located, meta, reader, state_keys: set,
@@ -444,7 +421,7 @@ def _load_group_streamed(engine, fg, located, meta, reader, state_keys: set,
                             targets[key][at])
 
 
-def _load_owned_state(engine, fi: int, fg, names, meta, reader, path: str) -> None:
+def _read_owned_state(engine, fi: int, fg, names, meta, reader, path: str) -> dict:
     """A tensor-wise group: the whole state of each parameter this rank now owns, from the
     file of the rank that owned it when saved (any world size or stage)."""
     states = {}
@@ -463,7 +440,20 @@ def _load_owned_state(engine, fi: int, fg, names, meta, reader, path: str) -> No
                 state[key] = value if kind == "pstate" else value.item()
         if state:
             states[i] = state
-    engine.optimizer.load_owned_state(fi, states)
+    return states
+
+
+def _check_module_rest(engine, rest: dict, path: str) -> None:
+    """Phase 1: every saved buffer or frozen parameter fits the one it would replace."""
+    managed = _managed(engine)
+    for key, value in uncompiled(engine.module).state_dict(keep_vars=True).items():
+        if id(value) in managed or key not in rest:
+            continue
+        saved = rest[key]
+        if not torch.is_tensor(saved) or saved.shape != value.shape:
+            raise CheckpointError(f"{path}: {key!r} was saved with shape "
+                                  f"{tuple(getattr(saved, 'shape', ()))}, the model's is "
+                                  f"{tuple(value.shape)}")
 
 
 def _load_module_rest(engine, rest: dict, path: str) -> None:

@@ -156,6 +156,10 @@ class ZeroEngine(EngineQueries):
         if self.clock.timers is not None:
             self.reducer.on_backward_end = self.clock.timers.backward_pass_ended
         compiled.install(module)  # module.compile() compiles forward, keeping our hooks eager
+        from ..checkpoint.saver import CheckpointSaver
+        self.checkpoints = CheckpointSaver(self, config.checkpoint.background)
+        self._closed = False
+        _close_at_exit(self)
         self.clock.set_scheduler(lr_scheduler, scheduler_from_config)
         # a scheduler over the optimizer given now drives the engine's (the same group dicts);
         # one over a member of a list given keeps driving just that member's groups
@@ -214,8 +218,13 @@ class ZeroEngine(EngineQueries):
                          read_ahead_numel=off.buffer_count * off.buffer_size, pin=self._pin)
 
     def close(self) -> None:
-        """Remove every hook the engine put on the model and its parameters; close the
-        monitor's writers; remove NVMe swap files."""
+        """Finish a pending asynchronous save; remove every hook the engine put on the model
+        and its parameters; close the monitor's writers; remove NVMe swap files. Called at
+        interpreter exit for an engine the script never closed."""
+        if self._closed:
+            return
+        self._closed = True
+        self.checkpoints.close()
         self.monitor.close()
         if self.optimizer.swap is not None:
             self.optimizer.swap.close()
@@ -428,7 +437,9 @@ class ZeroEngine(EngineQueries):
         ``peak_total`` - the states held permanently plus both peaks: the engine's own
         memory at its peak (activations and autograd's temporaries are the model's). And
         ``heap_free``: bytes the C allocator holds free (glibc; resident or not), the slack
-        the process can see - see zero_optimization.return_free_host_memory."""
+        the process can see - see zero_optimization.return_free_host_memory.
+        ``checkpoint_staging``: the host buffers asynchronous saves copy the states into
+        (kept from one save to the next; not in the totals)."""
         managed = {id(p) for p in self._managed_params()}
         params = sum(fg.nbytes() for fg in self.flat_groups)
         params += sum(p.numel() * p.element_size() for p in self.module.parameters()
@@ -462,6 +473,7 @@ class ZeroEngine(EngineQueries):
         report["peak_total"] = report["total"] - gathered - staging + gathered_peak + \
             self.reducer.peak_staging_bytes
         report["heap_free"] = heap_free_bytes()
+        report["checkpoint_staging"] = self.checkpoints.staging_nbytes()
         if swap is not None:  # on the drive, not in memory: outside the total
             report["nvme_optimizer_states"] = swap.file_bytes()
         if self.param_swap is not None:
@@ -491,15 +503,25 @@ class ZeroEngine(EngineQueries):
     # -- checkpoints (sharded.py) ------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None,
                         client_state: dict | None = None, node_local: bool = False,
-                        save_latest: bool = True, format: str = "zeroengine") -> str:
+                        save_latest: bool = True, format: str = "zeroengine",
+                        async_save: bool | None = None):
         """Collective: each rank writes its own shards of ``<save_dir>/<tag>`` (default tag
         ``global_step<N>``), atomically; ``latest`` then names it. Returns the path.
         ``node_local=True``: each rank's ``save_dir`` is its own (not shared); the checkpoint
         is the union of the ranks' directories, as Ray Train assembles it.
         ``format="dcp"``: a torch.distributed.checkpoint directory in FSDP2's layout
         ({"model": ..., "optim": ...}) that FSDP2/torchtitan load with ``dcp.load`` (no RNG
-        states in it); ``load_checkpoint`` reads either."""
+        states in it); ``load_checkpoint`` reads either.
+        ``async_save=True`` (default: the config's checkpoint.async_save): return a
+        ``concurrent.futures.Future`` of the path as soon as this rank's states are copied to
+        host memory; the files are written and committed in the background (checkpoint/
+        saver.py). Every save, synchronous or not, fails on every rank at once or on none:
+        ``latest`` then still names the last complete checkpoint (checkpoint/commit.py)."""
         if format == "dcp":
+            if async_save:
+                raise NotImplementedError("save_checkpoint(format='dcp', async_save=True) is "
+                                          "not supported: DCP's own save holds the loop; use "
+                                          "the default format for asynchronous saves")
             from ..checkpoint.dcp_save import save_dcp
             from ..checkpoint.sharded import checked_tag
             if node_local:
@@ -510,7 +532,8 @@ class ZeroEngine(EngineQueries):
             raise ValueError(f"save_checkpoint(format={format!r}): 'zeroengine' (default) or "
                              "'dcp'")
         from ..checkpoint.sharded import save_checkpoint
-        return save_checkpoint(self, save_dir, tag, client_state, node_local, save_latest)
+        return save_checkpoint(self, save_dir, tag, client_state, node_local, save_latest,
+                               async_save)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, **options):
         """Collective: restore from ``<load_dir>/<tag>`` (None: the latest), whatever world
@@ -555,6 +578,21 @@ class ZeroEngine(EngineQueries):
                 value = value.float() if value.is_floating_point() else value
             out[name] = value.clone().cpu()
         return out
+
+
+def _close_at_exit(engine: "ZeroEngine") -> None:
+    """At interpreter exit, ``close()`` an engine the script left open (a pending save
+    finishes first: its writer thread is joined before atexit handlers run). Registered after
+    the process group's own exit handler, so it runs before the group is destroyed."""
+    import atexit
+    import weakref
+    ref = weakref.ref(engine)
+
+    def close():
+        alive = ref()
+        if alive is not None:
+            alive.close()
+    atexit.register(close)
 
 
 def _cast_floating(value, dtype: torch.dtype):

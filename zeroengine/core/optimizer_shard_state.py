@@ -12,21 +12,34 @@ from .flat_param_group import FlatParamGroup
 
 
 class ShardStateIO:
-    def shard_state(self, fg: FlatParamGroup) -> tuple[dict[str, torch.Tensor], dict]:
+    def shard_state(self, fg: FlatParamGroup, buffer=None) -> tuple[dict[str, torch.Tensor],
+                                                                    dict]:
         """The inner optimizer's state over one group's shard, for checkpoints: elementwise
-        tensors laid out like the shard (key -> CPU tensor), and the scalar state."""
+        tensors laid out like the shard (key -> CPU tensor), and the scalar state.
+        ``buffer(key, dtype, numel)``: the tensor to fill for ``key`` (an asynchronous save's
+        staging buffer; default a new one); elements no segment holds state for are zeros."""
         self._refuse_tensorwise(fg, "saving")
         elementwise: dict[str, torch.Tensor] = {}
+        filled: dict[str, set[int]] = {}
         scalars: dict = {}
         for s in fg.resident_masters():
             seg, master = fg.layout.segments[s], fg.master_segments[s]
             for key, value in self.inner.state.get(master, {}).items():
                 if torch.is_tensor(value) and value.numel() == master.numel() and value.dim() > 0:
                     if key not in elementwise:
-                        elementwise[key] = torch.zeros(fg.layout.shard_numel, dtype=value.dtype)
+                        elementwise[key] = torch.empty(fg.layout.shard_numel, dtype=value.dtype) \
+                            if buffer is None else buffer(key, value.dtype, fg.layout.shard_numel)
+                        filled[key] = set()
                     seg.of_shard(elementwise[key]).copy_(value.detach().reshape(-1))
+                    filled[key].add(s)
                 elif key not in scalars:
                     scalars[key] = value.item() if torch.is_tensor(value) else value
+        for key, done in filled.items():  # zeros where a segment has no state (yet)
+            if len(done) < len(fg.layout.segments):
+                covered = torch.zeros(fg.layout.shard_numel, dtype=torch.bool)
+                for s in done:
+                    fg.layout.segments[s].of_shard(covered).fill_(True)
+                elementwise[key][~covered] = 0
         return elementwise, scalars
 
     def load_shard_state(self, fg: FlatParamGroup, shards: dict[str, torch.Tensor],
