@@ -294,7 +294,9 @@ def test_planted_pickle_is_never_executed(saved_single, tmp_path):
             return (os.system, (f"touch {marker}",))
     evil = os.path.join(path, "rank00000.pt")
     torch.save({"rng": Exploit()}, evil)
-    _rewrite_meta(path, lambda m: m["files"].update({"rank00000.pt": fmt.sha256_file(evil)}))
+    _rewrite_meta(path, lambda m: (
+        m["files"].update({"rank00000.pt": fmt.file_checksum(evil, m["checksum"])}),
+        m["file_bytes"].update({"rank00000.pt": os.path.getsize(evil)})))
     with pytest.raises(CheckpointError, match="weights_only=True refused"):
         engine.load_checkpoint(str(root))
     assert not marker.exists()

@@ -6,6 +6,8 @@ an asynchronous save is a snapshot of its step although training changes the par
 it is written."""
 from __future__ import annotations
 
+import concurrent.futures
+import json
 import os
 import resource
 import shutil
@@ -22,6 +24,7 @@ from models import make_model, make_optimizer, param_groups, run_step
 import zeroengine
 from zeroengine.checkpoint import format as fmt
 from zeroengine.checkpoint.format import CheckpointError
+from zeroengine.config import ConfigError
 from zeroengine.testing import run_ranks
 
 STAGES = [1, 2, 3]
@@ -288,3 +291,74 @@ def test_a_job_that_never_closes_exits_0_every_time_with_its_last_save_complete(
         fmt.read_meta(str(out / "global_step2"))  # complete: sealed metadata, every file
         for name in ("rank00000.safetensors", "rank00001.safetensors", "rank00001.pt"):
             assert (out / "global_step2" / name).exists()
+
+
+# -- the config (single process) -----------------------------------------------------------------
+@pytest.fixture
+def single(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(key, raising=False)
+
+
+@pytest.mark.parametrize("section", [{"async_save": True},
+                                     {"writer": {"decoupled": True, "type": "fast"}}])
+def test_the_config_makes_saves_asynchronous(tmp_path, single, section):
+    engine = new_engine(1, **section)
+    run_step(engine, 0, 1)
+    future = engine.save_checkpoint(str(tmp_path))
+    assert isinstance(future, concurrent.futures.Future)
+    assert future.result() == str(tmp_path / "global_step1")
+    assert engine.memory_report()["checkpoint_staging"] > 0
+    assert engine.save_checkpoint(str(tmp_path), tag="sync", async_save=False) == \
+        str(tmp_path / "sync")
+    path, _ = engine.load_checkpoint(str(tmp_path), tag="global_step1")
+    assert path == str(tmp_path / "global_step1")
+    engine.close()
+
+
+@pytest.mark.parametrize("key", ["load_universal", "use_node_local_storage"])
+def test_deepspeed_checkpoint_features_we_lack_are_refused_by_name(single, key):
+    with pytest.raises(ConfigError, match=f"checkpoint.{key}"):
+        new_engine(1, **{key: True})
+    new_engine(1, **{key: False}, tag_validation="Fail", checkpoint_serialization=False,
+               parallel_write={"pipeline_stage": False})
+
+
+def test_asynchronous_saves_with_the_optimizer_on_nvme_are_refused(tmp_path, single):
+    model = make_model(0)
+    engine = zeroengine.initialize(model, {"zero_optimization": {
+        "stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}},
+        optimizer=make_optimizer("adamw", param_groups(model)))
+    run_step(engine, 0, 1)
+    with pytest.raises(NotImplementedError, match="async_save=True.*NVMe"):
+        engine.save_checkpoint(str(tmp_path / "ckpt"), async_save=True)
+    path = engine.save_checkpoint(str(tmp_path / "ckpt"))  # synchronous: fine
+    damage(os.path.join(path, "rank00000.safetensors"), "flipped")
+    before = held(engine)
+    with pytest.raises(CheckpointError, match="corrupt"):  # verified before the swap is touched
+        engine.load_checkpoint(str(tmp_path / "ckpt"))
+    assert same(before, held(engine))
+    run_step(engine, 1, 1)
+    engine.close()
+
+
+def test_checkpoints_with_sha256_checksums_still_load(tmp_path, single):
+    """Checkpoints written before CRC-32 carry sha256 and no sizes: verified as such."""
+    engine = new_engine(1)
+    run_step(engine, 0, 1)
+    path = engine.save_checkpoint(str(tmp_path))
+    meta_path = os.path.join(path, fmt.META)
+    with open(meta_path) as f:
+        meta = json.load(f)
+    meta.pop("meta_sha256")
+    del meta["checksum"], meta["file_bytes"]
+    meta["files"] = {name: fmt.sha256_file(os.path.join(path, name)) for name in meta["files"]}
+    with open(meta_path, "w") as f:
+        json.dump(fmt.seal(meta), f)
+    expected = held(engine)
+    run_step(engine, 1, 1)
+    engine.load_checkpoint(str(tmp_path))
+    assert same(expected, held(engine))
+    damage(os.path.join(path, "rank00000.safetensors"), "flipped")
+    with pytest.raises(CheckpointError, match="its sha256 does not match"):
+        engine.load_checkpoint(str(tmp_path))

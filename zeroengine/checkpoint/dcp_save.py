@@ -177,33 +177,53 @@ def _state_dict(engine, names: dict, client_state: dict | None) -> dict:
 def save_dcp(engine, save_dir: str, tag: str, client_state: dict | None,
              save_latest: bool) -> str:
     """Collective. ``<save_dir>/<tag>`` written in a temporary directory and renamed into
-    place by rank 0 once every rank's files are written (a crash leaves the previous one)."""
+    place by rank 0 once every rank's files are written (a crash leaves the previous one).
+    Under the commit protocol (commit.py): a failure on any rank - building its state, DCP's
+    write, the publish - raises the same CheckpointError on every rank and removes the
+    temporary directory; ``latest`` is left alone."""
     import torch.distributed.checkpoint as dcp
+
+    from .commit import agree, attempt
     from .sharded import _names
     _refuse(engine)
-    comm = engine.comm
+    engine.checkpoints.wait()  # an asynchronous save of our own format still being written
+    comm, reports = engine.comm, engine.checkpoints.comm()
     final = os.path.join(save_dir, tag)
     tmp = final + ".tmp"
-    if comm.rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)
-        os.makedirs(tmp)
-    comm.barrier()
-    state = _state_dict(engine, _names(engine), client_state)
+    action = f"save_checkpoint(format='dcp') of {final}"
+    left = "nothing of it was kept; 'latest' names the checkpoint it named before"
+
+    def make_dir():
+        if comm.rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            if os.path.exists(tmp):
+                shutil.rmtree(tmp)
+            os.makedirs(tmp)
+
+    def write(state):
+        try:
+            dcp.save(state, checkpoint_id=tmp, planner=_planner(),
+                     process_group=getattr(comm, "group", None))
+        except Exception as err:
+            raise CheckpointError(f"torch.distributed.checkpoint's save failed: "
+                                  f"{type(err).__name__}: {err}") from err
+
+    def publish():
+        if comm.rank == 0:
+            for name in os.listdir(tmp):
+                fmt.fsync_file(os.path.join(tmp, name))
+            fmt.fsync_dir(tmp)
+            fmt.publish_dir(tmp, final)
+            if save_latest:
+                fmt.write_text_atomic(os.path.join(save_dir, fmt.LATEST), tag)
     try:
-        dcp.save(state, checkpoint_id=tmp, planner=_planner(),
-                 process_group=getattr(comm, "group", None))
-    except Exception as err:
-        raise CheckpointError(f"saving {final} with torch.distributed.checkpoint failed: "
-                              f"{type(err).__name__}: {err}") from err
-    comm.barrier()
-    if comm.rank == 0:
-        for name in os.listdir(tmp):
-            fmt.fsync_file(os.path.join(tmp, name))
-        fmt.fsync_dir(tmp)
-        fmt.publish_dir(tmp, final)
-        if save_latest:
-            fmt.write_text_atomic(os.path.join(save_dir, fmt.LATEST), tag)
-    comm.barrier()
+        agree(reports, action, attempt(make_dir)[1], outcome=left)
+        state, err = attempt(_state_dict, engine, _names(engine), client_state)
+        agree(reports, action, err, outcome=left)  # every rank enters DCP's collectives
+        agree(reports, action, attempt(write, state)[1], outcome=left)
+        agree(reports, action, attempt(publish)[1], outcome=left)
+    except CheckpointError:
+        if comm.rank == 0 and os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return final

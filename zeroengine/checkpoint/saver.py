@@ -64,7 +64,8 @@ class CheckpointSaver:
         if not async_save:
             return snapshot.write(comm)
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="zeroengine-checkpoint")
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="zeroengine-checkpoint",
+                                                initializer=_yield_to_training)
         self._pending = self._executor.submit(_write_logged, snapshot, comm)
         return self._pending
 
@@ -84,6 +85,18 @@ class CheckpointSaver:
             self._executor.shutdown(wait=True)
             self._executor = None
         self._staging = None
+
+
+def _yield_to_training() -> None:
+    """The writer thread runs at a lower CPU priority (nice +10, this thread only: Linux
+    applies setpriority to a thread id), so where the training loop and the write compete for
+    cores the loop wins and the write takes the idle time (collective waits, data loading)."""
+    import threading
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
+                       min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10))
+    except (OSError, AttributeError):  # not Linux, or not allowed: same priority then
+        pass
 
 
 def _write_logged(snapshot, comm) -> str:

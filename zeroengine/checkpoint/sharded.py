@@ -1,15 +1,17 @@
 """Sharded checkpoints of a ZeroEngine: every rank writes only what it owns, in parallel, and
 any world size and stage can load any checkpoint (format: format.py).
 
-Save: all ranks write into ``<save_dir>/<tag>.tmp/`` and fsync; one all-gather brings every
-file's sha256 to rank 0, which writes meta.json (fsynced), renames the directory into place and
-only then replaces ``latest``. A process killed at any point leaves ``latest`` naming the
-previous complete checkpoint.
+Save (snapshot.py, saver.py): all ranks write into ``<save_dir>/<tag>.tmp/`` and fsync; the
+commit protocol's reports bring every file's size and checksum to rank 0, which writes
+meta.json (fsynced), renames the directory into place and only then replaces ``latest``. A
+process killed at any point leaves ``latest`` naming the previous complete checkpoint; a
+failure on any rank fails the save on every rank (commit.py).
 
 Load: every rank reads meta.json, then for each element the *new* layout gives it, the saved
 values from whichever rank files hold them (by parameter name, so the stage, world size, bucket
-sizes and offload may all differ), verifying each file's checksum before use. Whole parameters
-are then all-gathered as after an optimizer step.
+sizes and offload may all differ), verifying each file's checksum before use, into staging;
+only when every rank has read its part is it applied. Whole parameters are then all-gathered
+as after an optimizer step.
 """
 from __future__ import annotations
 
@@ -378,8 +380,11 @@ def _read_group(engine, fg, names, meta, reader, load_states: bool, path: str) -
     out = {"master": None, "shards": {}, "scalars": scalars, "located": located,
            "state_keys": state_keys}
     if engine.optimizer.swap is not None:
-        for piece, gi, offset in located:  # open (and checksum) every file phase 2 reads
-            reader.read(gi, "master", offset + piece.param_offset, 0, torch.empty(0))
+        verify = getattr(reader, "verify_range", None)  # (DeepSpeed's and DCP's: no checksums)
+        for piece, gi, offset in located if verify is not None else ():
+            for key in ["master"] + [f"state.{k}" for k in meta["groups"][gi]["state_keys"]
+                                     if load_states]:
+                verify(gi, key, offset + piece.param_offset, piece.numel)
         return out
     master = torch.zeros(fg.layout.shard_numel, dtype=torch.float32)
     for piece, gi, offset in located:

@@ -5,7 +5,7 @@ asynchronous save can write it from a background thread while training goes on.
 
 The write follows the commit protocol (commit.py) in three rounds, each ending in one report
 from every rank: (1) the ``<tag>.tmp`` directory exists and every rank names the same tag;
-(2) every rank's files are written and fsynced, with their sha256; (3) rank 0 wrote meta.json,
+(2) every rank's files are written and fsynced, with their sizes and checksums; (3) rank 0 wrote meta.json,
 renamed the directory into place and replaced ``latest`` (node-local saves: every rank
 published its own directory). A failure in any round raises the same CheckpointError on every
 rank, after the failed save's files are removed; ``latest`` is only replaced in round 3, so it
@@ -89,29 +89,31 @@ class Snapshot:
     def _write_files(self) -> list[str]:
         st_path = os.path.join(self.tmp, fmt.rank_file(self.rank, "safetensors"))
         if self.stream is not None:
-            writer = fmt.StreamedSafetensors(st_path, self.stream_specs)
+            writer = fmt.StreamedSafetensors(st_path, self.stream_specs,
+                                             checksum=fmt.CHECKSUM)
             try:
                 self.stream(writer)
                 fmt.fsync_fd(writer._fd)
             finally:
                 writer.close()
-            st_digest = writer.digest() or fmt.sha256_file(st_path)
+            st_digest = writer.digest() or fmt.file_checksum(st_path)
         else:
             st_digest = fmt.write_safetensors(st_path, self.tensors)
         buffer = io.BytesIO()
         torch.save(self.extras, buffer)
         pt_digest = fmt.write_bytes(os.path.join(self.tmp, fmt.rank_file(self.rank, "pt")),
                                     buffer.getbuffer())
-        return [st_digest, pt_digest]
+        return [[st_digest, os.path.getsize(st_path)], [pt_digest, len(buffer.getbuffer())]]
 
     def _publish(self, digests: list[list[str]]) -> None:
         if self.rank == 0:
-            files = {}
-            for rank, (st, pt) in enumerate(digests):
-                files[fmt.rank_file(rank, "safetensors")] = st
-                files[fmt.rank_file(rank, "pt")] = pt
-            fmt.write_json_atomic(os.path.join(self.tmp, fmt.META),
-                                  fmt.seal({**self.meta, "files": files}))
+            files, sizes = {}, {}
+            for rank, written in enumerate(digests):
+                for ext, (digest, size) in zip(("safetensors", "pt"), written):
+                    files[fmt.rank_file(rank, ext)] = digest
+                    sizes[fmt.rank_file(rank, ext)] = size
+            fmt.write_json_atomic(os.path.join(self.tmp, fmt.META), fmt.seal(
+                {**self.meta, "files": files, "file_bytes": sizes, "checksum": fmt.CHECKSUM}))
         if self.owns_dir:
             fmt.fsync_dir(self.tmp)
             replaced = os.path.exists(self.final)
@@ -131,6 +133,19 @@ class Snapshot:
 
 
 # -- what a rank writes, taken from the engine -------------------------------------------------
+def _master(fg, staging: StagingPool | None, name: str) -> torch.Tensor:
+    """The group's fp32 master shard; staged, each segment copied straight into its place in
+    the staging buffer (no concatenated temporary: that would double the copy)."""
+    if staging is None:
+        return fg.master_shard()
+    if fg.master is not None:
+        return staging.copy(name, fg.master)
+    out = staging.buffer(name, torch.float32, (fg.layout.shard_numel,))
+    for seg, master in zip(fg.layout.segments, fg.master_segments):
+        seg.of_shard(out).copy_(master.detach().reshape(-1), non_blocking=staging.pinned)
+    return out
+
+
 def capture(engine, save_dir: str, tag: str, client_state: dict | None, node_local: bool,
             save_latest: bool, staging: StagingPool | None) -> Snapshot:
     """This rank's part of the checkpoint, taken now. With ``staging`` (an asynchronous save)
@@ -168,9 +183,7 @@ def capture(engine, save_dir: str, tag: str, client_state: dict | None, node_loc
                 [(f"{gi}.state.{key}", dtype, numel) for key, dtype in elementwise.items()]
             to_stream.append((gi, fg, elementwise))
         elif owned is None:
-            master = fg.master if fg.master is not None and fg.swap is None \
-                else fg.master_shard()
-            tensors[f"{gi}.master"] = stage(f"{gi}.master", master)
+            tensors[f"{gi}.master"] = _master(fg, staging, f"{gi}.master")
             buffer = None if staging is None else \
                 lambda key, dtype, n, gi=gi: staging.buffer(f"{gi}.state.{key}", dtype, (n,))
             elementwise, scalars = engine.optimizer.shard_state(fg, buffer)
@@ -194,14 +207,14 @@ def capture(engine, save_dir: str, tag: str, client_state: dict | None, node_loc
         if staging.pinned:
             torch.cuda.synchronize()  # the non_blocking device-to-host copies landed
         staging.keep_only(tensors)
-    extras = {"rng": _rng_state()}
+    extras = {"rng": _rng_state()}  # (new tensors: nothing to copy)
     if comm.rank == 0:
-        extras["client_state"] = client_state or {}
-        extras["module_rest"] = _module_rest(engine)
+        # the user's objects may change while an asynchronous save is written: copied then
+        own = copy.deepcopy if staging is not None else (lambda value: value)
+        extras["client_state"] = own(client_state or {})
+        extras["module_rest"] = _module_rest(engine)  # (cloned)
         if engine.lr_scheduler is not None:
-            extras["lr_scheduler"] = engine.lr_scheduler.state_dict()
-        if staging is not None:  # the user's objects may change while this is written
-            extras = copy.deepcopy(extras)
+            extras["lr_scheduler"] = own(engine.lr_scheduler.state_dict())
     meta = _meta(engine, names, groups_meta, None, tag) if comm.rank == 0 else None
     snapshot = Snapshot(save_dir, tag, comm.rank, node_local, save_latest, tensors, extras,
                         meta)

@@ -283,7 +283,8 @@ class ZeroTrainer(Trainer):
 
     # -- checkpoints ---------------------------------------------------------------------------
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        self._zero_engine.save_checkpoint(output_dir)  # collective: every rank its shards
+        self._zero_engine.save_checkpoint(  # collective: every rank its shards; complete before
+            output_dir, async_save=False)  # the Trainer writes beside it and rotates old ones
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
 

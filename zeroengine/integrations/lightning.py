@@ -275,7 +275,8 @@ class ZeroStrategy(DDPStrategy):
         filepath = self.broadcast(str(filepath))
         state = {k: v for k, v in checkpoint.items() if k not in ("state_dict",
                                                                  "optimizer_states")}
-        self.engine.save_checkpoint(filepath, tag="checkpoint", client_state=state)
+        self.engine.save_checkpoint(filepath, tag="checkpoint", client_state=state,
+                                    async_save=False)  # Lightning may move it next
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
         checkpoint_path = self.broadcast(str(checkpoint_path))

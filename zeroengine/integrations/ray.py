@@ -48,7 +48,8 @@ def report(engine, metrics: dict[str, Any], checkpoint: bool = False) -> None:
         return
     local = tempfile.mkdtemp(prefix="zeroengine-ray-")
     try:
-        engine.save_checkpoint(local, tag=_TAG, node_local=True)
+        engine.save_checkpoint(local, tag=_TAG, node_local=True,
+                               async_save=False)  # Ray uploads the directory next
         # Ray copies the directory into its storage before report returns.
         train.report(metrics, checkpoint=train.Checkpoint.from_directory(local))
     finally:
