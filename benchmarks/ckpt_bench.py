@@ -25,8 +25,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from zeroengine.examples.gpt import GPT, GPTConfig, num_params  # noqa: E402
-from zeroengine.testing import run_ranks  # noqa: E402
+from zeroengine.examples.gpt import GPT, GPTConfig, num_params
+from zeroengine.testing import run_ranks
 
 
 def model_config(small: bool) -> GPTConfig:
@@ -187,6 +187,11 @@ def in_the_loop(root: str, variant: str, stage: int, small: bool, every: int,
             "state_bytes": sum(t.numel() * t.element_size() for t in states)}
 
 
+def _slowest(ranks: list[dict], key: str) -> float:
+    """Median over repeats of the slowest rank's time."""
+    return statistics.median(max(x) for x in zip(*(r[key] for r in ranks)))
+
+
 def loop_table(dirs: dict[str, str], stages: list[int], small: bool, every: int,
                windows: int) -> None:
     print(f"| disk | engine | state/rank (MB) | copy in memory (s) | sync save stall (s) | "
@@ -201,9 +206,7 @@ def loop_table(dirs: dict[str, str], stages: list[int], small: bool, every: int,
                                   windows, timeout=3600)
             finally:
                 shutil.rmtree(root, ignore_errors=True)
-            def slowest(key):
-                return statistics.median(max(x) for x in zip(*(r[key] for r in ranks)))
-            sync, stall = slowest("sync_stall"), slowest("async_stall")
+            sync, stall = _slowest(ranks, "sync_stall"), _slowest(ranks, "async_stall")
             copy = max(r["copy"] for r in ranks)
             plain = sum(max(x) for x in zip(*(r["plain"] for r in ranks)))
             saving = sum(max(x) for x in zip(*(r["saving"] for r in ranks)))

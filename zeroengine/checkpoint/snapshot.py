@@ -86,7 +86,8 @@ class Snapshot:
             shutil.rmtree(self.tmp)
         os.makedirs(self.tmp)
 
-    def _write_files(self) -> list[str]:
+    def _write_files(self) -> list[list]:
+        """[[checksum, size]] of this rank's .safetensors and .pt files."""
         st_path = os.path.join(self.tmp, fmt.rank_file(self.rank, "safetensors"))
         if self.stream is not None:
             writer = fmt.StreamedSafetensors(st_path, self.stream_specs,
