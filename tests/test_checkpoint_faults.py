@@ -352,7 +352,7 @@ def test_checkpoints_with_sha256_checksums_still_load(tmp_path, single):
         meta = json.load(f)
     meta.pop("meta_sha256")
     del meta["checksum"], meta["file_bytes"]
-    meta["files"] = {name: fmt.sha256_file(os.path.join(path, name)) for name in meta["files"]}
+    meta["files"] = {name: fmt.file_checksum(os.path.join(path, name), "sha256") for name in meta["files"]}
     with open(meta_path, "w") as f:
         json.dump(fmt.seal(meta), f)
     expected = held(engine)

@@ -101,10 +101,6 @@ def file_checksum(path: str, kind: str = CHECKSUM) -> str:
     return digest.hexdigest()
 
 
-def sha256_file(path: str) -> str:
-    return file_checksum(path, "sha256")
-
-
 def write_text_atomic(path: str, text: str) -> None:
     """Write to a temporary name, fsync, rename: readers see the old file or the new one."""
     tmp = f"{path}.tmp{os.getpid()}"
@@ -317,22 +313,36 @@ class StreamedSafetensors:
         os.close(self._fd)
 
 
-def write_safetensors(path: str, tensors: dict[str, torch.Tensor]) -> str:
-    """``tensors`` as a safetensors file at ``path`` (fsynced); returns its checksum. An
-    OSError (disk full, file-size limit) is raised as a CheckpointError naming the file."""
+def _named(path: str, err: OSError) -> CheckpointError:
+    """An OSError while writing ``path`` (disk full, file-size limit) as a CheckpointError
+    naming the file."""
+    return CheckpointError(f"writing {path}: {os.strerror(err.errno) if err.errno else err}"
+                           f" (errno {err.errno})")
+
+
+def write_streamed(path: str, specs: list, fill) -> str:
+    """A safetensors file of ``specs`` (as StreamedSafetensors takes them) whose values
+    ``fill(writer)`` writes, fsynced; returns its checksum (computed while writing when
+    ``fill`` writes front to back, else read back)."""
     try:
-        writer = StreamedSafetensors(path, [(n, t.dtype, tuple(t.shape))
-                                            for n, t in tensors.items()], checksum=CHECKSUM)
+        writer = StreamedSafetensors(path, specs, checksum=CHECKSUM)
         try:
-            for name, value in tensors.items():
-                writer.write(name, 0, value)
+            fill(writer)
             fsync_fd(writer._fd)
         finally:
             writer.close()
     except OSError as err:
-        raise CheckpointError(f"writing {path}: {os.strerror(err.errno) if err.errno else err}"
-                              f" (errno {err.errno})") from None
+        raise _named(path, err) from None
     return writer.digest() or file_checksum(path)
+
+
+def write_safetensors(path: str, tensors: dict[str, torch.Tensor]) -> str:
+    """``tensors`` as a safetensors file at ``path`` (write_streamed, in dict order)."""
+    def fill(writer):
+        for name, value in tensors.items():
+            writer.write(name, 0, value)
+    return write_streamed(path, [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()],
+                          fill)
 
 
 def write_bytes(path: str, data: bytes) -> str:
@@ -348,8 +358,7 @@ def write_bytes(path: str, data: bytes) -> str:
         finally:
             os.close(fd)
     except OSError as err:
-        raise CheckpointError(f"writing {path}: {os.strerror(err.errno) if err.errno else err}"
-                              f" (errno {err.errno})") from None
+        raise _named(path, err) from None
     digest = Checksum()
     digest.update(data)
     return digest.hexdigest()

@@ -90,14 +90,7 @@ class Snapshot:
         """[[checksum, size]] of this rank's .safetensors and .pt files."""
         st_path = os.path.join(self.tmp, fmt.rank_file(self.rank, "safetensors"))
         if self.stream is not None:
-            writer = fmt.StreamedSafetensors(st_path, self.stream_specs,
-                                             checksum=fmt.CHECKSUM)
-            try:
-                self.stream(writer)
-                fmt.fsync_fd(writer._fd)
-            finally:
-                writer.close()
-            st_digest = writer.digest() or fmt.file_checksum(st_path)
+            st_digest = fmt.write_streamed(st_path, self.stream_specs, self.stream)
         else:
             st_digest = fmt.write_safetensors(st_path, self.tensors)
         buffer = io.BytesIO()
