@@ -16,7 +16,9 @@
 6. times our fused Adam against torch.optim.AdamW(fused=True) at 100M and 1B parameters (fp32;
    and with the bf16 copy-out, against torch fused + a separate copy), as a ratio and as a
    fraction of the measured device-to-device copy bandwidth. Targets: >= 1.0x torch fused,
-   >= 80% of copy bandwidth.
+   >= 80% of copy bandwidth;
+2b. the 16-bit step (bf16/fp16 masters, bf16 moments, stochastic rounding: csrc/cuda/
+   mixed_adam.cu) against the CPU kernel, element for element.
 Exits non-zero if a correctness check fails; timings are reported, never asserted.
 
 ``--cpu-dry-run`` runs checks 2, 3 and 5 on the CPU through the PyTorch paths (no kernels, gloo):
@@ -119,6 +121,55 @@ def check_fused_adam(ext) -> None:
     moved = bool((p.detach() != before).sum().item() == p.numel() - 2)
     check("fused Adam inf/NaN", untouched and moved and int(opt.found_nonfinite.item()) == 1,
           f"bad elements untouched: {untouched}, others updated: {moved}")
+
+
+# -- 2b. 16-bit masters and states (bf16/fp16 master keys) --------------------------------------
+def mixed_steps(device: str, use_extension: bool, pdt, sdt, stochastic: bool, low_dtype,
+                steps: int = 3):
+    """Three CPUAdam steps over three tensors of master dtype ``pdt`` and moments ``sdt``,
+    with runs of model indices (stochastic rounding's bits): (params, moments, lows) on the CPU."""
+    from zeroengine.ops import CPUAdam
+    gen = torch.Generator().manual_seed(5)
+    sizes = [1, 65537, 100_003]
+    ps = [(1 + torch.rand(n, generator=gen)).to(pdt).to(device) for n in sizes]
+    grads = [[torch.randn(n, generator=gen).to(device) for n in sizes] for _ in range(steps)]
+    lows = {p: torch.empty(p.shape, dtype=low_dtype, device=device) for p in ps} \
+        if low_dtype else {}
+    runs = {p: torch.tensor([[0, n // 2, 1000 * i], [n // 2, n - n // 2, 7_000_000 + i]])
+            for i, (p, n) in enumerate(zip(ps, sizes))}
+    opt = CPUAdam(ps, lr=1e-3, weight_decay=0.01, use_extension=use_extension,
+                  state_dtype=sdt, stochastic_rounding=stochastic, rounding_seed=3)
+    for step_grads in grads:
+        opt.step(grads=dict(zip(ps, step_grads)), grad_coef=0.5, low_precision_copies=lows,
+                 index_runs=runs)
+    moments = [opt.state[p][k] for p in ps for k in ("exp_avg", "exp_avg_sq")]
+    return [t.cpu() for t in ps + moments + list(lows.values())]
+
+
+def check_mixed_adam() -> None:
+    """The 16-bit step on DEVICE (the CUDA kernel; in the dry run the PyTorch path) against the
+    CPU kernel: the same random bits and roundings, element for element, except where the two
+    float32 results differ by an ulp across a rounding boundary (>= 99.5% identical, the rest
+    neighbouring values)."""
+    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+    for pdt, sdt, stochastic, low in [(bf16, bf16, False, None), (bf16, bf16, True, None),
+                                      (bf16, f32, True, None), (f32, bf16, True, bf16),
+                                      (f16, f32, False, None)]:
+        ours = mixed_steps(DEVICE, DEVICE == "cuda", pdt, sdt, stochastic, low)
+        cpu = mixed_steps("cpu", DEVICE == "cuda", pdt, sdt, stochastic, low) \
+            if DEVICE == "cuda" else mixed_steps("cpu", False, pdt, sdt, stochastic, low)
+        same = min((a.view(-1) == b.view(-1)).float().mean().item() for a, b in zip(ours, cpu))
+        apart = max(_ulps_apart(a, b) for a, b in zip(ours, cpu))
+        name = f"mixed adam {str(pdt)[6:]} master, {str(sdt)[6:]} states" + \
+            (", stochastic" if stochastic else "") + (", bf16 copy" if low else "")
+        check(name, same >= 0.995 and apart <= 1,
+              f"{100 * same:.3f}% identical to the CPU kernel, at most {apart} ulp apart")
+
+
+def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> int:
+    if a.dtype == torch.float32:
+        return int((a.view(torch.int32).long() - b.view(torch.int32).long()).abs().max())
+    return int((a.view(torch.int16).int() - b.view(torch.int16).int()).abs().max())
 
 
 # -- 3. flatten ----------------------------------------------------------------------------------
@@ -364,6 +415,27 @@ def time_adam(numel: int, pieces: int, low: bool, bandwidth: float, repeats: int
     return row  # its tensors go with this frame; main() empties the cache
 
 
+def time_mixed(numel: int, stochastic: bool, bandwidth: float, repeats: int) -> dict:
+    """The 16-bit step (bf16 master, bf16 moments, bf16 gradient) over ``numel`` elements:
+    reads p g m v and writes p m v at 2 bytes each (14 B per element, against fp32's 28)."""
+    from zeroengine.ops import CPUAdam
+    p = torch.randn(numel, device=DEVICE).to(torch.bfloat16)
+    g = torch.randn(numel, device=DEVICE).to(torch.bfloat16)
+    opt = CPUAdam([p], lr=1e-3, weight_decay=0.01, state_dtype=torch.bfloat16,
+                  stochastic_rounding=stochastic)
+    runs = {p: torch.tensor([[0, numel, 0]])} if stochastic else None
+    t = timed(lambda: opt.step(grads={p: g}, index_runs=runs), repeats)
+    moved = numel * 14
+    row = {"params": numel, "mixed": "bf16 master+states", "stochastic": stochastic,
+           "ours_ms": t * 1e3, "ours_GBps": moved / t / 1e9,
+           "fraction_of_copy_bw": moved / t / bandwidth}
+    print(f"  {numel / 1e6:7.0f}M bf16 master+states{' stochastic' if stochastic else '':11s} "
+          f"{t * 1e3:8.2f} ms   {row['ours_GBps']:7.0f} GB/s = "
+          f"{100 * row['fraction_of_copy_bw']:.0f}% of copy", flush=True)
+    RESULTS["timings"].append(row)
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="100M only, fewer repeats")
@@ -374,6 +446,7 @@ def main() -> None:
         global DEVICE
         DEVICE = "cpu"
         for name, fn in [("fused adam", lambda: check_fused_adam(None)),
+                         ("mixed adam", check_mixed_adam),
                          ("flatten", lambda: check_flatten(None)), ("quantize", check_quantize),
                          ("training", check_training)]:
             fn()
@@ -388,6 +461,7 @@ def main() -> None:
     RESULTS["torch"] = torch.__version__
     ext = build_kernels()
     for name, fn in [("fused adam", lambda: check_fused_adam(ext)),
+                     ("mixed adam", check_mixed_adam),
                      ("flatten", lambda: check_flatten(ext)), ("quantize", check_quantize),
                      ("streams", check_streams),
                      ("training", check_training)]:
@@ -405,6 +479,9 @@ def main() -> None:
         for low in (False, True):
             time_adam(numel, pieces, low, bandwidth, repeats)
             torch.cuda.empty_cache()
+    for stochastic in (False, True):
+        time_mixed(100_000_000, stochastic, bandwidth, repeats)
+        torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(RESULTS, f, indent=1)

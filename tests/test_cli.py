@@ -99,7 +99,7 @@ def measured_states(cases, path):
     import zeroengine
     from zeroengine.examples.gpt import GPT, GPTConfig, num_params
     out = []
-    for stage, precision, offload in cases:
+    for stage, precision, offload, *keys in cases:
         torch.manual_seed(0)
         model = GPT(GPTConfig(context=32, layers=2, heads=4, dim=128))
         zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
@@ -109,7 +109,7 @@ def measured_states(cases, path):
         elif offload:
             zero["offload_optimizer"] = {"device": "cpu"}
         cfg = {"optimizer": {"type": "AdamW"}, "zero_optimization": zero,
-               "bf16": {"enabled": precision == "bf16"}}
+               "bf16": {"enabled": precision == "bf16", **(keys[0] if keys else {})}}
         engine = zeroengine.initialize(model, cfg)
         tokens = torch.randint(0, 256, (2, 33))
         engine.backward(model.loss(tokens[:, :-1], tokens[:, 1:]))
@@ -122,12 +122,21 @@ def measured_states(cases, path):
 def test_estimate_matches_what_the_engine_holds(tmp_path):
     """Per category within 5% (padding, and torch's per-chunk step tensors, are the rest); on
     the drive within 25% (each segment's region starts on a 4096-element boundary)."""
+    low = {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
     cases = [(s, p, False) for s in (0, 1, 2, 3) for p in ("fp32", "bf16")] + \
-        [(2, "bf16", True), (3, "bf16", "nvme")]
+        [(2, "bf16", True), (3, "bf16", "nvme"), (2, "bf16", False, low),
+         (3, "bf16", True, low), (1, "bf16", False, {"store_param_remainders": True}),
+         (3, "bf16", True, {"store_param_remainders": True}),
+         (2, "bf16", False, {"bf16_optimizer_states": True})]
     results = run_ranks(2, measured_states, cases, str(tmp_path))[0]
-    for (stage, precision, offload), (report, n) in zip(cases, results):
+    for (stage, precision, offload, *keys), (report, n) in zip(cases, results):
+        keys = keys[0] if keys else {}
+        master = "remainder" if keys.get("store_param_remainders") else (
+            "low" if keys.get("bf16_master_weights_and_grads") else "fp32")
         e = model_state_bytes(n, stage, 2, precision, 2, offload_optimizer=offload,
-                              offload_param="nvme" if offload == "nvme" else False)
+                              offload_param="nvme" if offload == "nvme" else False,
+                              master=master,
+                              state_bytes=2 if keys.get("bf16_optimizer_states") else 4)
         pairs = [("params", e.params), ("grads", e.grads),
                  ("optimizer_states", e.optimizer_states),
                  ("host_optimizer_states", e.host_optimizer_states)]

@@ -380,8 +380,6 @@ def test_unknown_top_level_keys_close_to_nothing_are_reported_and_ignored(notice
     ({"zero_optimization": {"zenflow": {"topk_ratio": 0.1}}}, {"zero_optimization": {}}),
     ({"sparse_gradients": True}, {"sparse_gradients": False}),
     ({"fp32_allreduce": True}, {"fp32_allreduce": False}),
-    ({"fp16": {"fp16_master_weights_and_grads": True}},
-     {"fp16": {"fp16_master_weights_and_grads": False}}),
 ])
 def test_unimplemented_features_are_refused_by_name_unless_off(notices, raw, off):
     message = refused(raw, "'", "remove it from the config")

@@ -25,7 +25,6 @@ CONFIGS = sorted(f"{d}/{f}" for d in SETS for f in os.listdir(os.path.join(TESTS
 REFUSED = {
     # DeepSpeed refuses it too: clipping belongs in "gradient_clipping"
     "ds_configs/deepspeedexamples__bing_bert_deepspeed_bsz4096_adam_config.json": "max_grad_norm",
-    "ds_configs/deepspeedexamples__cifar_ds_config.json": "fp16 master weights",
     "ds_configs/llama_factory__ds_z2_autotp_config.json": "tensor parallelism",
     "ds_configs_heldout/internvl__segmentation_adam_zero1_amp.json": "apex AMP is not supported",
     # an "auto" only the Hugging Face Trainer can fill: the message says what to pass instead

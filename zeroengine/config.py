@@ -262,12 +262,37 @@ class FP16Config:
     auto_cast: bool = option(False, "As in DeepSpeed: engine(...) casts the floating-point "
                              "tensors among its inputs (in lists, tuples and dicts too) to "
                              "float16 before the model sees them.")
+    fp16_master_weights_and_grads: bool = option(
+        False, "The optimizer's master weights are the float16 weights themselves (no fp32 "
+        "copy: 2 bytes per parameter instead of 4); each Adam update is computed in fp32 and "
+        "rounded to nearest. Adam/AdamW only.")
 
 
 @dataclass
 class BF16Config:
     enabled: bool = option(False, "Train in bfloat16 with fp32 master weights. 'auto': on when "
                            "the model's parameters are bfloat16.", auto=True)
+    bf16_master_weights_and_grads: bool = option(
+        False, "The optimizer's master weights are the bfloat16 weights themselves (no fp32 "
+        "copy: 0 extra bytes per parameter on the device, 2 in host memory with CPU offload); "
+        "each update is computed in fp32 and rounded (to nearest, or stochastic_rounding). "
+        "Updates smaller than half a bfloat16 step are lost with nearest rounding. Adam/AdamW "
+        "only.")
+    bf16_optimizer_states: bool = option(
+        False, "Adam's exp_avg and exp_avg_sq in bfloat16 (4 bytes per parameter instead of 8), "
+        "read and written by the fused step, which computes in fp32. Adam/AdamW only.")
+    store_param_remainders: bool = option(
+        False, "Keep the fp32 master as the bfloat16 weight plus its low 16 bits (Megatron's "
+        "name): 2 bytes per parameter instead of 4 and the fp32-master run's numbers (exact "
+        "except that an update landing exactly halfway between two bfloat16 values with an even "
+        "upper half moves the master by one fp32 ulp toward the weight). Any optimizer.")
+    stochastic_rounding: bool = option(
+        False, "Round the bfloat16 master weights and optimizer states stochastically (zeroengine's "
+        "key), with random bits from (stochastic_rounding_seed, step, the element's index in the "
+        "model): small updates survive on average, and a run is reproducible bit for bit at any "
+        "world size and stage.")
+    stochastic_rounding_seed: int = option(0, "The seed of stochastic_rounding's random bits.",
+                                           lo=0, hi=2 ** 63 - 1)
 
 
 @dataclass

@@ -83,8 +83,6 @@ REFUSED: dict[str, tuple[str, Callable[[Any], bool]]] = {
                                           "(each rank's save_dir its own) instead",
                                           _equals(False)),
     "compile.passes": ("DeepCompile passes are " + _FEATURE, lambda v: not v),
-    "fp16.fp16_master_weights_and_grads": ("fp16 master weights and gradients (instead of "
-                                           "fp32 masters) are " + _FEATURE, _equals(False)),
 }
 
 _LOGGING = "steers DeepSpeed's own logging or profiling"

@@ -18,8 +18,10 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "../common/adam_coefficients.h"
+#include "../common/stochastic_rounding.h"
 
 namespace {
 
@@ -103,6 +105,137 @@ void adam_parallel(float* p, const float* g, float* m, float* v, uint16_t* low, 
   });
 }
 
+// -- masters and states in 16 bits (adam_step_mixed) -----------------------------------------
+// Storage kinds: how a float is read from and written to one buffer. ``store`` takes 32 random
+// bits, used only where rounding is stochastic (kStoch) and the storage is bf16.
+inline float bf16_load(uint16_t b) { return __builtin_bit_cast(float, uint32_t(b) << 16); }
+
+// IEEE half -> float, branch-free (normal, subnormal and inf/NaN by selection), exact.
+inline float half_load(uint16_t h) {
+  const uint32_t w = uint32_t(h) << 16;
+  const uint32_t sign = w & 0x80000000u;
+  const uint32_t two_w = w + w;
+  const float normalized =
+      __builtin_bit_cast(float, (two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+  const float denormalized = __builtin_bit_cast(float, (two_w >> 17) | (126u << 23)) - 0.5f;
+  const uint32_t denorm = -static_cast<uint32_t>(two_w < (1u << 27));
+  const uint32_t bits = (denorm & __builtin_bit_cast(uint32_t, denormalized)) |
+                        (~denorm & __builtin_bit_cast(uint32_t, normalized));
+  return __builtin_bit_cast(float, sign | bits);
+}
+
+struct F32 {
+  using T = float;
+  static inline float load(const T* p, int64_t i) { return p[i]; }
+  template <bool kStoch>
+  static inline void store(T* p, int64_t i, float f, uint32_t) { p[i] = f; }
+};
+struct BF16 {
+  using T = uint16_t;
+  static inline float load(const T* p, int64_t i) { return bf16_load(p[i]); }
+  template <bool kStoch>
+  static inline void store(T* p, int64_t i, float f, uint32_t random) {
+    p[i] = kStoch ? zeroengine::bf16_stochastic(f, random) : ToBFloat16::convert(f);
+  }
+};
+struct F16 {
+  using T = uint16_t;
+  static inline float load(const T* p, int64_t i) { return half_load(p[i]); }
+  template <bool kStoch>
+  static inline void store(T* p, int64_t i, float f, uint32_t) { p[i] = ToHalf::convert(f); }
+};
+struct NoLow {};  // no low-precision copy (LowT below)
+
+struct RoundingKeys {
+  uint32_t param, exp_avg, exp_avg_sq;
+};
+
+// One Adam step over [begin, end) whose first element has index ``index0`` in the model
+// (where the random bits of stochastic rounding come from): everything read is widened to
+// float, adam_update runs in float as in adam_range, and the results are rounded into their
+// storage (to nearest, or stochastically with kStoch). LowT: the bf16/fp16 copy of an fp32
+// master (offload's copy-out), or NoLow.
+template <typename PT, typename ST, typename GT, typename LowT, bool kStoch, bool kLerpFromM>
+ZE_CLONES void mixed_range(typename PT::T* __restrict p, const typename GT::T* __restrict g,
+                           typename ST::T* __restrict m, typename ST::T* __restrict v,
+                           uint16_t* __restrict low, int64_t begin, int64_t end, uint64_t index0,
+                           AdamCoefficients c, float grad_coef, RoundingKeys keys) {
+  for (int64_t i = begin; i < end; ++i) {
+    float mi = ST::load(m, i), vi = ST::load(v, i);
+    const float grad = GT::load(g, i) * grad_coef;
+    const float param = zeroengine::adam_update<kLerpFromM>(PT::load(p, i), grad, mi, vi, c);
+    uint32_t rp = 0, rm = 0, rv = 0;
+    if constexpr (kStoch) {
+      const uint64_t index = index0 + static_cast<uint64_t>(i - begin);
+      rp = zeroengine::rounding_bits(keys.param, index);
+      rm = zeroengine::rounding_bits(keys.exp_avg, index);
+      rv = zeroengine::rounding_bits(keys.exp_avg_sq, index);
+    }
+    PT::template store<kStoch>(p, i, param, rp);
+    ST::template store<kStoch>(m, i, mi, rm);
+    ST::template store<kStoch>(v, i, vi, rv);
+    if constexpr (!std::is_same_v<LowT, NoLow>) low[i] = LowT::convert(param);
+  }
+}
+
+struct MixedArgs {
+  void* p;
+  const void* g;
+  void* m;
+  void* v;
+  uint16_t* low;
+  AdamCoefficients c;
+  float grad_coef;
+  RoundingKeys keys;
+};
+
+// Elements [begin, begin + n) of the buffers, the first one at ``index0`` in the model.
+template <typename PT, typename ST, typename GT, typename LowT, bool kStoch>
+void mixed_run(const MixedArgs& a, int64_t begin, int64_t n, uint64_t index0) {
+  auto* p = static_cast<typename PT::T*>(a.p);
+  auto* g = static_cast<const typename GT::T*>(a.g);
+  auto* m = static_cast<typename ST::T*>(a.m);
+  auto* v = static_cast<typename ST::T*>(a.v);
+  at::parallel_for(begin, begin + n, 1 << 15, [&](int64_t b, int64_t e) {
+    const uint64_t first = index0 + static_cast<uint64_t>(b - begin);
+    if (a.c.lerp_from_m) {
+      mixed_range<PT, ST, GT, LowT, kStoch, true>(p, g, m, v, a.low, b, e, first, a.c,
+                                                  a.grad_coef, a.keys);
+    } else {
+      mixed_range<PT, ST, GT, LowT, kStoch, false>(p, g, m, v, a.low, b, e, first, a.c,
+                                                   a.grad_coef, a.keys);
+    }
+  });
+}
+
+using RunFn = void (*)(const MixedArgs&, int64_t, int64_t, uint64_t);
+
+// The instantiations that exist: fp32 master with bf16 states (and a bf16/fp16 copy-out);
+// bf16 master with fp32 or bf16 states and fp32 or bf16 gradients; fp16 master (fp32
+// states, round to nearest) with fp32 or fp16 gradients.
+template <bool kStoch>
+RunFn pick_run(at::ScalarType p, at::ScalarType s, at::ScalarType g, int low) {
+  using at::kBFloat16;
+  using at::kFloat;
+  using at::kHalf;
+  if (p == kFloat && s == kBFloat16 && g == kFloat) {
+    if (low == 0) return &mixed_run<F32, BF16, F32, NoLow, kStoch>;
+    if (low == 1) return &mixed_run<F32, BF16, F32, ToBFloat16, kStoch>;
+    return &mixed_run<F32, BF16, F32, ToHalf, kStoch>;
+  }
+  if (p == kBFloat16 && low == 0) {
+    if (s == kFloat && g == kFloat) return &mixed_run<BF16, F32, F32, NoLow, kStoch>;
+    if (s == kFloat && g == kBFloat16) return &mixed_run<BF16, F32, BF16, NoLow, kStoch>;
+    if (s == kBFloat16 && g == kFloat) return &mixed_run<BF16, BF16, F32, NoLow, kStoch>;
+    if (s == kBFloat16 && g == kBFloat16) return &mixed_run<BF16, BF16, BF16, NoLow, kStoch>;
+  }
+  if (!kStoch && p == kHalf && s == kFloat && low == 0) {
+    if (g == kFloat) return &mixed_run<F16, F32, F32, NoLow, false>;
+    if (g == kHalf) return &mixed_run<F16, F32, F16, NoLow, false>;
+  }
+  return nullptr;
+}
+
 void check(const at::Tensor& t, const char* name, int64_t n) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
   TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
@@ -144,6 +277,72 @@ void adam_step(at::Tensor p, at::Tensor g, at::Tensor m, at::Tensor v, double lr
   }
 }
 
+void check_mixed(const at::Tensor& t, const char* name, int64_t n) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK(t.numel() == n, name, " has ", t.numel(), " elements, expected ", n);
+}
+
+// One Adam/AdamW step with the master (``p``: fp32, bf16 or fp16) and the moments (``m``,
+// ``v``: fp32 or bf16) in their storage dtypes and the gradient (fp32, or p's dtype) times
+// ``grad_coef``, all computed in float and rounded once into storage. ``stochastic``: bf16
+// results are rounded stochastically, with bits from (seed, step, model index); ``runs``
+// (int64 [k, 3]: first element, count, index in the model of the first) then names the
+// elements to update, which must not overlap; without it, all of them (indices from 0).
+// ``low``: with an fp32 master, its bf16/fp16 copy written in the same pass.
+bool adam_step_mixed(at::Tensor p, at::Tensor g, at::Tensor m, at::Tensor v, double lr,
+                     double beta1, double beta2, double eps, double weight_decay, int64_t step,
+                     bool adamw, bool bias_correction, double grad_coef, bool stochastic,
+                     int64_t seed, c10::optional<at::Tensor> runs,
+                     c10::optional<at::Tensor> low) {
+  const int64_t n = p.numel();
+  check_mixed(p, "param", n);
+  check_mixed(g, "grad", n);
+  check_mixed(m, "exp_avg", n);
+  check_mixed(v, "exp_avg_sq", n);
+  TORCH_CHECK(m.scalar_type() == v.scalar_type(), "exp_avg and exp_avg_sq differ in dtype");
+  TORCH_CHECK(step >= 1, "step must be >= 1, got ", step);
+  int low_kind = 0;
+  uint16_t* low_ptr = nullptr;
+  if (low.has_value()) {
+    check_mixed(*low, "low-precision copy", n);
+    TORCH_CHECK(low->scalar_type() == at::kBFloat16 || low->scalar_type() == at::kHalf,
+                "low-precision copy must be bfloat16 or float16");
+    low_kind = low->scalar_type() == at::kBFloat16 ? 1 : 2;
+    low_ptr = reinterpret_cast<uint16_t*>(low->data_ptr());
+  }
+  const RunFn run = stochastic
+      ? pick_run<true>(p.scalar_type(), m.scalar_type(), g.scalar_type(), low_kind)
+      : pick_run<false>(p.scalar_type(), m.scalar_type(), g.scalar_type(), low_kind);
+  if (run == nullptr) return false;  // not a combination built here: the caller's fallback
+  MixedArgs a;
+  a.p = p.data_ptr();
+  a.g = g.data_ptr();
+  a.m = m.data_ptr();
+  a.v = v.data_ptr();
+  a.low = low_ptr;
+  a.c = zeroengine::adam_coefficients(lr, beta1, beta2, eps, weight_decay, step, adamw,
+                                      bias_correction);
+  a.grad_coef = static_cast<float>(grad_coef);
+  const uint64_t s = static_cast<uint64_t>(seed);
+  a.keys = {zeroengine::rounding_key(s, step, 0), zeroengine::rounding_key(s, step, 1),
+            zeroengine::rounding_key(s, step, 2)};
+  if (!runs.has_value()) {
+    run(a, 0, n, 0);
+    return true;
+  }
+  const at::Tensor r = runs->contiguous();
+  TORCH_CHECK(r.scalar_type() == at::kLong && r.dim() == 2 && r.size(1) == 3,
+              "runs must be an int64 tensor of shape [k, 3]");
+  const int64_t* rp = r.data_ptr<int64_t>();
+  for (int64_t k = 0; k < r.size(0); ++k) {
+    const int64_t first = rp[3 * k], count = rp[3 * k + 1];
+    TORCH_CHECK(first >= 0 && count >= 0 && first + count <= n, "run ", k, " out of range");
+    run(a, first, count, static_cast<uint64_t>(rp[3 * k + 2]));
+  }
+  return true;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "zeroengine one-pass CPU Adam/AdamW";
   m.def("adam_step", &adam_step, "one Adam/AdamW step over flat fp32 buffers", py::arg("param"),
@@ -151,4 +350,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
         py::arg("step"), py::arg("adamw"), py::arg("bias_correction"),
         py::arg("low") = py::none());
+  m.def("adam_step_mixed", &adam_step_mixed,
+        "one Adam/AdamW step with 16-bit masters and/or states; False: combination not built",
+        py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
+        py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+        py::arg("weight_decay"), py::arg("step"), py::arg("adamw"), py::arg("bias_correction"),
+        py::arg("grad_coef"), py::arg("stochastic"), py::arg("seed"),
+        py::arg("runs") = py::none(), py::arg("low") = py::none());
 }

@@ -11,6 +11,12 @@ void fused_adam(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
                 std::vector<at::Tensor> low_copies, double lr, double beta1, double beta2,
                 double eps, double weight_decay, int64_t step, bool adamw,
                 bool bias_correction, double grad_coef, at::Tensor found_nonfinite);
+bool mixed_adam(std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
+                std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,
+                std::vector<at::Tensor> low_copies, std::vector<int64_t> first_index,
+                double lr, double beta1, double beta2, double eps, double weight_decay,
+                int64_t step, bool adamw, bool bias_correction, double grad_coef,
+                bool stochastic, int64_t seed);
 void cuda_flatten_into(const std::vector<at::Tensor>& tensors, at::Tensor flat,
                        const std::vector<int64_t>& offsets);
 void cuda_unflatten_from(at::Tensor flat, const std::vector<at::Tensor>& tensors,
@@ -30,6 +36,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("low_copies"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
         py::arg("weight_decay"), py::arg("step"), py::arg("adamw"), py::arg("bias_correction"),
         py::arg("grad_coef"), py::arg("found_nonfinite"));
+  m.def("mixed_adam", &zeroengine::mixed_adam,
+        "Adam/AdamW with 16-bit masters and/or states, computed in fp32 and rounded (to "
+        "nearest or stochastically); False: a dtype combination not built",
+        py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
+        py::arg("low_copies"), py::arg("first_index"), py::arg("lr"), py::arg("beta1"),
+        py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("step"),
+        py::arg("adamw"), py::arg("bias_correction"), py::arg("grad_coef"),
+        py::arg("stochastic"), py::arg("seed"));
   m.def("flatten_into", &zeroengine::cuda_flatten_into, "flat[off:off+n] = t for each tensor",
         py::arg("tensors"), py::arg("flat"), py::arg("offsets"));
   m.def("unflatten_from", &zeroengine::cuda_unflatten_from, "t = flat[off:off+n] for each tensor",

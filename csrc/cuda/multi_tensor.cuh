@@ -32,6 +32,7 @@ struct TensorTable {
   void* addr[Lists][kMaxTensors];
   int64_t numel[kMaxTensors];
   int block_start[kMaxTensors + 1];  // blocks of tensor t: [block_start[t], block_start[t+1])
+  int64_t tag[kMaxTensors];  // per tensor, the caller's number (multi_tensor_apply's tags)
   int tensors;
 };
 
@@ -50,11 +51,14 @@ __device__ __forceinline__ int locate(const TensorTable<Lists>& table, int64_t& 
 // Calls launch(table, blocks) as often as needed so that every element of every tensor is in
 // exactly one block. lists[l][t] is tensor t of list l; all lists have the same length and each
 // tensor t has the same numel in every list.
+// ``tags`` (optional, one per tensor): a number the kernel reads as table.tag[t].
 template <int Lists, typename Launch>
-void multi_tensor_apply(const std::vector<std::vector<at::Tensor>>& lists, Launch launch) {
+void multi_tensor_apply(const std::vector<std::vector<at::Tensor>>& lists, Launch launch,
+                        const std::vector<int64_t>* tags = nullptr) {
   using Table = TensorTable<Lists>;
   TORCH_CHECK(static_cast<int>(lists.size()) == Lists, "expected ", Lists, " tensor lists");
   const size_t n = lists[0].size();
+  TORCH_CHECK(tags == nullptr || tags->size() == n, "expected one tag per tensor");
   for (const auto& l : lists)
     TORCH_CHECK(l.size() == n, "tensor lists differ in length: ", l.size(), " vs ", n);
   Table table;
@@ -70,6 +74,7 @@ void multi_tensor_apply(const std::vector<std::vector<at::Tensor>>& lists, Launc
       table.addr[l][table.tensors] = lists[l][t].data_ptr();
     }
     table.numel[table.tensors] = numel;
+    table.tag[table.tensors] = tags != nullptr ? (*tags)[t] : 0;
     blocks += (numel + kChunk - 1) / kChunk;
     TORCH_CHECK(blocks < (int64_t{1} << 31), "tensor ", t, " is too large for one launch");
     table.block_start[++table.tensors] = static_cast<int>(blocks);

@@ -219,17 +219,18 @@ def _gather_master(shard, located, rank: int, pieces: dict) -> torch.Tensor:
     fg, i = located
     slot = fg.layout.slots[i]
     seg = fg.layout.segments[slot.segment]
-    master = fg.master_segments[slot.segment]
-    full = torch.empty(slot.numel, dtype=torch.float32, device=fg.device)
-    if not fg.sharded:
-        full.copy_(master[seg.local(slot)].reshape(-1))
-        return full.cpu().view(slot.shape)
-    for owner, piece in pieces[(id(fg), i)]:
-        out = full[piece.param_offset:piece.param_offset + piece.numel]  # contiguous
-        if owner == rank:
-            local = piece.shard_offset - seg.shard_offset
-            out.copy_(master[local:local + piece.numel])
-        shard.broadcast(out, src=owner, what=lambda: "save_pretrained")
+    for _ in fg.resident_masters([slot.segment]):  # (remainders: the exact fp32 values)
+        master = fg.master_segments[slot.segment]
+        full = torch.empty(slot.numel, dtype=torch.float32, device=fg.device)
+        if not fg.sharded:
+            full.copy_(master[seg.local(slot)].reshape(-1))
+            continue
+        for owner, piece in pieces[(id(fg), i)]:
+            out = full[piece.param_offset:piece.param_offset + piece.numel]  # contiguous
+            if owner == rank:
+                local = piece.shard_offset - seg.shard_offset
+                out.copy_(master[local:local + piece.numel])
+            shard.broadcast(out, src=owner, what=lambda: "save_pretrained")
     return full.cpu().view(slot.shape)
 
 

@@ -167,9 +167,35 @@ def _meta(engine, names, groups_meta, files, tag) -> dict:
                       "inner_class": opt.inner_name,
                       "param_groups": [_jsonable({k: v for k, v in g.items() if k != "params"})
                                        for g in opt.param_groups]},
+        "optimizer_precision": _precision_meta(engine),
         "groups": groups_meta, "index": index, "state_dict_keys": state_dict_keys,
         "files": files, "hf_config": _hf_config(uncompiled(engine.module)),
     }
+
+
+def _precision_meta(engine) -> dict:
+    """What the masters and Adam's moments were kept in (bf16/fp16 master keys): "fp32",
+    "float16"/"bfloat16" (low-precision masters) or "remainder" (exact fp32)."""
+    precision = engine.optimizer_precision
+    master = precision.master if precision.master != "low" else \
+        str(engine.precision.compute).replace("torch.", "")
+    return {"master": master, "states": str(precision.states).replace("torch.", ""),
+            "stochastic_rounding": precision.stochastic}
+
+
+def _warn_narrowing(engine, meta: dict, path: str) -> None:
+    """A checkpoint with fp32 masters or moments loaded where they are kept in 16 bits: they
+    are rounded to nearest, which the user should know (the other way is exact)."""
+    saved = meta.get("optimizer_precision") or {"master": "fp32", "states": "float32"}
+    mine = _precision_meta(engine)
+    narrowed = []
+    if saved["master"] in ("fp32", "remainder") and mine["master"] not in ("fp32", "remainder"):
+        narrowed.append(f"the fp32 master weights to {mine['master']}")
+    if saved["states"] == "float32" and mine["states"] != "float32":
+        narrowed.append(f"the fp32 optimizer states to {mine['states']}")
+    if narrowed and engine.comm.rank == 0:
+        warnings.warn(f"{path}: loading rounds {' and '.join(narrowed)} (to nearest), as this "
+                      "run's bf16/fp16 master keys ask", stacklevel=3)
 
 
 def counters(engine) -> dict:
@@ -254,6 +280,7 @@ def _read(engine, load_dir: str, tag: str | None, missing_ok: bool, options) -> 
     load_states = options["load_optimizer_states"] and not options["load_module_only"]
     if load_states:
         _check_optimizer_compatible(engine, staged.meta, path)
+        _warn_narrowing(engine, staged.meta, path)
     staged.extras = source.extras(0)
     if options["load_lr_scheduler_states"] and not options["load_module_only"]:
         staged.foreign_schedule = staged.extras.get("deepspeed_lr_scheduler")

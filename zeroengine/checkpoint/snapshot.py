@@ -128,13 +128,15 @@ class Snapshot:
 
 # -- what a rank writes, taken from the engine -------------------------------------------------
 def _master(fg, staging: StagingPool | None, name: str) -> torch.Tensor:
-    """The group's fp32 master shard; staged, each segment copied straight into its place in
-    the staging buffer (no concatenated temporary: that would double the copy)."""
-    if staging is None:
-        return fg.master_shard()
+    """The group's master shard as it is kept (fp32; bf16/fp16 for a low-precision master;
+    the exact fp32 values for remainders); staged, each segment copied straight into its
+    place in the staging buffer (no concatenated temporary: that would double the copy)."""
+    if staging is None or fg.remainder is not None:
+        values = fg.master_shard()
+        return values if staging is None else staging.copy(name, values)
     if fg.master is not None:
         return staging.copy(name, fg.master)
-    out = staging.buffer(name, torch.float32, (fg.layout.shard_numel,))
+    out = staging.buffer(name, fg.master_dtype, (fg.layout.shard_numel,))
     for seg, master in zip(fg.layout.segments, fg.master_segments):
         seg.of_shard(out).copy_(master.detach().reshape(-1), non_blocking=staging.pinned)
     return out

@@ -45,8 +45,8 @@ from .grad_reducer import GradReducer, ReduceSettings
 from .host_memory import heap_free_bytes
 from .optimizer_offload import OptimizerOffload
 from .param_fetcher import ParamFetcher, auto_window
-from .param_layout import lay_out_parameters, report_persistence
-from .precision import LossScaler, Precision
+from .param_layout import element_index, lay_out_parameters, report_persistence
+from .precision import LossScaler, OptimizerPrecision, Precision
 from .sharded_optimizer import ShardedOptimizer, StepSettings
 from .sharding import Sharding
 from .step_clock import StepClock
@@ -81,6 +81,8 @@ class ZeroEngine(EngineQueries):
                                sync=torch.cuda.synchronize if device.type == "cuda" else None)
         zero = config.zero_optimization
         self.precision = Precision.from_config(config)
+        # what the optimizer keeps its masters and states in (bf16/fp16 master keys)
+        self.optimizer_precision = OptimizerPrecision.from_config(config)
         # "nvme": offloaded as to "cpu", then the host master and state go to the drive
         self.offload_optimizer = zero.offload_optimizer.device in ("cpu", "nvme")
         self.offload_param = zero.offload_param.device in ("cpu", "nvme")
@@ -98,7 +100,8 @@ class ZeroEngine(EngineQueries):
         self.flat_groups = lay_out_parameters(module, optimizer, order, self.sharding, comm,
                                               zero, self.precision, device, self._pin,
                                               shard=shard, master_sink=swap,
-                                              param_sink=self.param_swap)
+                                              param_sink=self.param_swap,
+                                              master_format=self.optimizer_precision.master)
         if self.precision.mixed:
             self._cast_rest_of_module(self.precision.compute)
         partitioned = [fg for fg in self.flat_groups if fg.partitioned]
@@ -138,6 +141,8 @@ class ZeroEngine(EngineQueries):
                                   zero.sub_group_size, config.on_nonfinite),
             loss_scaler=scaler, offload=self.offload, fetcher=self.fetcher,
             param_names={id(p): n for n, p in uncompiled(module).named_parameters()},
+            precision=self.optimizer_precision,
+            element_index=element_index(uncompiled(module)),
             swap=swap, clock=self.clock)
         self.optimizer.trim_host_heap = zero.return_free_host_memory and (
             device.type == "cpu" or self.offload_optimizer or self.offload_param)

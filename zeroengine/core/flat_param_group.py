@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 
 from .layout import FlatBuffer, FlatLayout, shard_segment_views
+from .master_bits import join_master, split_master
+from .precision import FP32_MASTER, LOW_MASTER, REMAINDER_MASTER
 
 
 class FlatParamGroup:
@@ -34,7 +36,7 @@ class FlatParamGroup:
                  compute_dtype: torch.dtype | None = None, partitioned: bool = False,
                  units: list[int] | None = None, value_of=None,
                  offload_master: bool = False, offload_shard: bool = False, pin: bool = False,
-                 master_sink=None, param_sink=None):
+                 master_sink=None, param_sink=None, master_format: str = FP32_MASTER):
         """``shard_world``: the number of owners (the world size, or 1 at stage 0).
         ``compute_dtype``: the dtype the model computes in (default: the params' own).
         ``units``: stage 3's fetch unit per parameter; segments follow unit boundaries.
@@ -65,12 +67,20 @@ class FlatParamGroup:
         self.master_device = host if offload_master else device
         self.shard_device = host if self.offload_shard else device
         param_sink = param_sink if partitioned else None
+        self.master_format = master_format
+        if master_format != FP32_MASTER and (param_sink is not None or master_sink is not None):
+            raise ValueError("bf16/fp16 masters and remainders are not kept on NVMe")
         # fp32 compute on the device: the parameters (or their shard) are the master, no copy
-        # - unless the shard lives on the drive, where the optimizer cannot step it in place
-        separate_master = self.dtype != torch.float32 or offload_master or \
-            param_sink is not None
+        # - unless the shard lives on the drive, where the optimizer cannot step it in place.
+        # A low-precision master likewise is the parameters themselves, unless offloaded.
+        low_master = master_format != FP32_MASTER
+        separate_master = (self.dtype != torch.float32 and not low_master) or \
+            offload_master or param_sink is not None
+        self.master_dtype = self.dtype if master_format == LOW_MASTER else torch.float32
         sink = master_sink if separate_master and offload_master else None
-        wanted = ([(torch.float32, self.master_device)] if separate_master and not sink
+        # remainders: the fp32 values are needed once, to take their low halves
+        first_values = separate_master or master_format == REMAINDER_MASTER
+        wanted = ([(torch.float32, self.master_device)] if first_values and not sink
                   else []) + ([(self.dtype, self.shard_device)]
                               if partitioned and param_sink is None else [])
         numels = [seg.chunk_numel for seg in self.layout.segments]
@@ -86,6 +96,18 @@ class FlatParamGroup:
         # with a sink: an empty placeholder, still "a separate master" (not None)
         self.master = (shards[0] if sink is None else torch.empty(0)) if separate_master \
             else None
+        self.remainder: torch.Tensor | None = None
+        if master_format == REMAINDER_MASTER:
+            values = shards[0]
+            self.remainder = torch.empty(values.numel(), dtype=torch.int16,
+                                         device=self.master_device)
+            split_master(values, None, self.remainder)
+            # the master's upper halves: the host weights (offload) or the chunks (below)
+            self.master = values.to(self.dtype) if separate_master else None
+            shards = shards[1:]
+            del values
+        elif master_format == LOW_MASTER and self.master is not None:
+            self.master = self.master.to(self.dtype)  # offloaded: the host copy, low precision
         if partitioned:
             self.shard = shards[-1] if param_sink is None else \
                 torch.empty(0, dtype=self.dtype)  # on the drive: chunk() reads it
@@ -118,7 +140,11 @@ class FlatParamGroup:
                     view.copy_(source)
                 p.data = view
         segments = range(len(self.layout.segments))
-        if self.master is None:
+        if master_format == REMAINDER_MASTER:  # given storage while resident
+            self.master_segments = [_no_storage(seg.chunk_numel, self.master_device)
+                                    for seg in self.layout.segments]
+            self.remainder_segments = shard_segment_views(self.remainder, self.layout)
+        elif self.master is None:
             self.master_segments = [self.chunk(s) for s in segments]
         elif sink is None:
             self.master_segments = shard_segment_views(self.master, self.layout)
@@ -223,30 +249,86 @@ class FlatParamGroup:
         them at once, or with NVMe offload a tile at a time (``write_back``: the caller
         changes them, so each tile goes back to the drive after)."""
         segments = range(len(self.master_segments)) if segments is None else segments
+        if self.remainder is not None:
+            for s in segments:
+                self.join_masters([s])
+                try:
+                    yield s
+                except GeneratorExit:  # the caller stopped early: nothing to take back
+                    self.settle_masters([s], write_back=False)
+                    raise
+                self.settle_masters([s], write_back)
+            return
         if self.swap is None:
             yield from segments
             return
         for resident in self.swap.visit(self, segments, write_back):
             yield from resident
 
+    # -- remainders (REMAINDER_MASTER) -------------------------------------------------------
+    def weight_segment(self, s: int) -> torch.Tensor:
+        """Remainders: where segment s's upper halves (its bf16 weights) live: the host copy
+        with offload, else the model's own chunk."""
+        return self.layout.segments[s].of_shard(self.master) if self.master is not None \
+            else self.chunk(s)
+
+    def join_masters(self, segments) -> None:
+        """Remainders: give the fp32 masters of ``segments`` storage and their exact values."""
+        for s in segments:
+            master = self.master_segments[s]
+            master.untyped_storage().resize_(master.numel() * 4)
+            join_master(self.weight_segment(s), self.remainder_segments[s], master)
+
+    def settle_masters(self, segments, write_back: bool) -> None:
+        """Remainders: after ``join_masters`` (``write_back``: the fp32 values changed, so
+        their bf16 weights and remainders are taken from them), the fp32 storage goes."""
+        for s in segments:
+            master = self.master_segments[s]
+            if write_back:
+                split_master(master, self.weight_segment(s), self.remainder_segments[s])
+            master.untyped_storage().resize_(0)
+
+    def weights_of_master(self, s: int) -> torch.Tensor | None:
+        """Segment s's updated values in the compute dtype where the master holds them
+        (low-precision masters, remainders' upper halves), else None (an fp32 master, to be
+        rounded when published)."""
+        if self.master_format == LOW_MASTER:
+            return self.master_segments[s]
+        if self.master_format == REMAINDER_MASTER:
+            return self.weight_segment(s)
+        return None
+
     def master_to_chunks(self, segments=None) -> None:
         """Copy updated master values into the compute-dtype chunks (mixed precision)."""
-        if self.master is not None:
-            for s in self.resident_masters(segments):
-                self.set_chunk(s, self.master_segments[s])
+        if self.master is None:
+            return  # the chunks are the master (fp32, low precision) or hold its upper halves
+        if self.master_format == REMAINDER_MASTER:
+            for s in (range(len(self.master_segments)) if segments is None else segments):
+                self.set_chunk(s, self.weight_segment(s))
+            return
+        for s in self.resident_masters(segments):
+            self.set_chunk(s, self.master_segments[s])
 
     def refresh_master(self, segments=None) -> None:
         """The inverse: chunks changed from outside (a write-back) become the master's values."""
+        if self.master_format == REMAINDER_MASTER:
+            for s in (range(len(self.master_segments)) if segments is None else segments):
+                if self.master is not None:
+                    self.weight_segment(s).copy_(self.chunk(s))
+                self.remainder_segments[s].zero_()  # exactly the weight
+            return
         if self.master is not None:
             for s in self.resident_masters(segments, write_back=True):
                 self.master_segments[s].copy_(self.chunk(s))
 
     def master_shard(self) -> torch.Tensor:
-        """The fp32 values of every element the rank owns, as one contiguous CPU tensor."""
-        if self.master is not None and self.swap is None:
+        """The master values of every element the rank owns (fp32, or the compute dtype for a
+        low-precision master), as one contiguous CPU tensor."""
+        if self.master is not None and self.swap is None and self.remainder is None:
             return self.master.detach().cpu()
-        if self.master is None:
-            return torch.cat([s.detach().float().cpu() for s in self.master_segments])
+        if self.master is None and self.remainder is None:
+            return torch.cat([s.detach().to(self.master_dtype).cpu()
+                              for s in self.master_segments])
         out = torch.zeros(self.layout.shard_numel, dtype=torch.float32)
         for s in self.resident_masters():
             self.layout.segments[s].of_shard(out).copy_(self.master_segments[s])
@@ -276,5 +358,17 @@ class FlatParamGroup:
         return data.numel() * data.element_size() if offloaded == host else 0
 
     def master_nbytes(self, host: bool = False) -> int:
-        offloaded = self.offload_master
-        return 0 if self.master is None or offloaded != host else self.master.numel() * 4
+        """Bytes of the master kept beside the parameters (a separate copy, remainders)."""
+        if self.offload_master != host:
+            return 0
+        total = 0 if self.master is None else self.master.numel() * self.master.element_size()
+        if self.remainder is not None:
+            total += self.remainder.numel() * 2
+        return total
+
+
+def _no_storage(numel: int, device) -> torch.Tensor:
+    """An fp32 tensor of ``numel`` elements whose storage is empty until resized."""
+    t = torch.empty(numel, dtype=torch.float32, device=device)
+    t.untyped_storage().resize_(0)
+    return t

@@ -184,3 +184,15 @@ def build_device_inner(optimizer: torch.optim.Optimizer, groups: list[dict],
     d = optimizer.defaults
     return FusedAdam(groups, lr=d["lr"], betas=d["betas"], eps=d["eps"],
                      weight_decay=d["weight_decay"], adamw_mode=adamw)
+
+
+def build_mixed_inner(optimizer: torch.optim.Optimizer, groups: list[dict],
+                      precision) -> torch.optim.Optimizer:
+    """The optimizer of a step over 16-bit masters and/or states (OptimizerPrecision): CPUAdam
+    with its mixed pass (the C++ kernel on the CPU, the same arithmetic in PyTorch elsewhere),
+    for an Adam/AdamW that ``cpu_adam_mode`` accepts (the caller checks)."""
+    d = optimizer.defaults
+    return CPUAdam(groups, lr=d["lr"], betas=d["betas"], eps=d["eps"],
+                   weight_decay=d["weight_decay"], adamw_mode=cpu_adam_mode(optimizer),
+                   state_dtype=precision.states, stochastic_rounding=precision.stochastic,
+                   rounding_seed=precision.seed)

@@ -21,6 +21,7 @@ import torch
 from ..dist.handles import Handle, copy_async
 from .flat_param_group import FlatParamGroup
 from .layout import shard_segment_views
+from .precision import FP32_MASTER
 
 HOST = torch.device("cpu")
 
@@ -52,8 +53,10 @@ class OptimizerOffload:
             # The bf16/fp16 values the optimizer writes go straight into the chunk when it is
             # in host memory; otherwise into a host staging buffer sent to the device after
             # (with NVMe: the tile's, from the swap).
+            # (a low-precision master or remainders' upper halves are such values already)
             self.low.append(None if g.dtype == torch.float32 or self._chunk_on_host(g)
-                            or swap is not None else self._host_views(g, g.dtype, pin))
+                            or swap is not None or g.master_format != FP32_MASTER
+                            else self._host_views(g, g.dtype, pin))
         self._stage_in_swap = [swap is not None and g.dtype != torch.float32
                                and not self._chunk_on_host(g) for g in groups]
         self._grad_copies: dict[tuple[int, int], Handle] = {}  # copied for this step
@@ -106,8 +109,8 @@ class OptimizerOffload:
         """Where the optimizer may write segment s's updated low-precision values in its own
         pass; None in fp32 (the master itself is what gets copied)."""
         g = self.groups[fi]
-        if g.dtype == torch.float32:
-            return None
+        if g.dtype == torch.float32 or g.master_format != FP32_MASTER:
+            return None  # the master itself holds the values to copy
         if self.low[fi] is not None:
             return self.low[fi][s]
         if self._stage_in_swap[fi]:  # the same bytes every call while the tile is in
@@ -133,6 +136,8 @@ class OptimizerOffload:
         chunk = g.chunk(s)
         if g.dtype == torch.float32:
             source = master
+        elif g.master_format != FP32_MASTER:
+            source = g.weights_of_master(s)
         else:
             source = self.copy_out_target(fi, s)
             if not written:

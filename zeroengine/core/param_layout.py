@@ -12,7 +12,7 @@ from ..config import AUTO, ZeroConfig, auto_fetch_unit
 from ..dist.comm import Comm
 from .flat_param_group import FlatParamGroup
 from .layout import bucket_params
-from .precision import Precision
+from .precision import FP32_MASTER, Precision
 from .sharding import Sharding
 from . import deferred_params
 from .zero_init import is_sharded, make_whole, materialize
@@ -22,13 +22,15 @@ def lay_out_parameters(module: nn.Module, optimizer: torch.optim.Optimizer,
                        order: dict[int, int], sharding: Sharding, comm: Comm, zero: ZeroConfig,
                        precision: Precision, device: torch.device,
                        pin: bool, shard: Comm | None = None,
-                       master_sink=None, param_sink=None) -> list[FlatParamGroup]:
+                       master_sink=None, param_sink=None,
+                       master_format: str = FP32_MASTER) -> list[FlatParamGroup]:
     """One FlatParamGroup per (optimizer group, dtype); at stage 3 split further into
     parameters kept whole (below stage3_param_persistence_threshold elements) and
     partitioned ones, whose segments follow the modules that hold them. ``shard``: the ranks
     the states are sharded over (hybrid sharding: a group of ``comm``; default ``comm``).
     ``master_sink``: NVMe offload's OptimizerSwap, which takes each group's master;
-    ``param_sink``: its ParamSwap, which takes the partitioned groups' parameter shards."""
+    ``param_sink``: its ParamSwap, which takes the partitioned groups' parameter shards.
+    ``master_format``: how the masters of the compute-dtype groups are kept (precision.py)."""
     shard = shard or comm
     shard_world = shard.world_size if sharding.optimizer_state else 1
     bucket = max(1, zero.reduce_bucket_size)  # 0 (DeepSpeed accepts it): one parameter each
@@ -86,7 +88,8 @@ def lay_out_parameters(module: nn.Module, optimizer: torch.optim.Optimizer,
                         value_of=value_of,
                         offload_master=offload_master,
                         offload_shard=zero.offload_param.device in ("cpu", "nvme"),
-                        pin=pin, master_sink=master_sink, param_sink=param_sink))
+                        pin=pin, master_sink=master_sink, param_sink=param_sink,
+                        master_format=master_format if precision.mixed else FP32_MASTER))
                     for p in split:
                         if deferred_params.is_deferred(p):
                             deferred_params.done(p)
@@ -95,7 +98,9 @@ def lay_out_parameters(module: nn.Module, optimizer: torch.optim.Optimizer,
                                              bucket, device,
                                              compute_dtype=dtype, value_of=value_of,
                                              offload_master=offload_master, pin=pin,
-                                             master_sink=master_sink))
+                                             master_sink=master_sink,
+                                             master_format=master_format
+                                             if precision.mixed else FP32_MASTER))
                 for p in whole:
                     if deferred_params.is_deferred(p):
                         deferred_params.done(p)
@@ -170,3 +175,14 @@ def report_persistence(groups: list[FlatParamGroup], limit: int, comm: Comm) -> 
             f"elements ({whole:,} elements) stay whole on every rank, so this run holds "
             "more parameter memory per rank than stage 3 promises. Lower the threshold "
             "(e.g. 0) to partition them too", stacklevel=4)
+
+
+def element_index(module: nn.Module) -> dict[int, int]:
+    """id(param) -> the index of its first element in the model: its parameters' elements
+    counted in ``module.parameters()`` order. The same at every world size and stage, so what
+    is drawn per element from it (stochastic rounding's bits) does not depend on the layout."""
+    index, out = 0, {}
+    for p in module.parameters():
+        out[id(p)] = index
+        index += p.numel()
+    return out

@@ -107,3 +107,69 @@ class Precision:
     @property
     def mixed(self) -> bool:
         return self.compute != torch.float32
+
+
+# How the optimizer keeps what it updates (OptimizerPrecision.master)
+FP32_MASTER = "fp32"  # a separate fp32 copy (or the fp32 parameters themselves)
+LOW_MASTER = "low"  # the bf16/fp16 weights themselves: bf16_master_weights_and_grads
+REMAINDER_MASTER = "remainder"  # bf16 weight + its low 16 bits: store_param_remainders
+
+
+@dataclass(frozen=True)
+class OptimizerPrecision:
+    """What the optimizer's master weights and per-element states are kept in (the bf16 and
+    fp16 sections' master/state keys, resolved and checked against each other)."""
+
+    master: str = FP32_MASTER
+    states: torch.dtype = torch.float32  # Adam's exp_avg / exp_avg_sq
+    stochastic: bool = False  # bf16 master/states rounded stochastically
+    seed: int = 0
+
+    @classmethod
+    def from_config(cls, cfg) -> "OptimizerPrecision":
+        """From a config whose fp16/bf16 'auto' is resolved; refuses what cannot work."""
+        from ..config import ConfigError
+        bf16, fp16 = cfg.bf16, cfg.fp16
+        keys = {"bf16.bf16_master_weights_and_grads": bf16.bf16_master_weights_and_grads,
+                "bf16.bf16_optimizer_states": bf16.bf16_optimizer_states,
+                "bf16.store_param_remainders": bf16.store_param_remainders,
+                "bf16.stochastic_rounding": bf16.stochastic_rounding}
+        on = [k for k, v in keys.items() if v]
+        if on and bf16.enabled is not True:
+            raise ConfigError(f"'{on[0]}' needs bf16.enabled true (it keeps optimizer values in "
+                              "bfloat16 beside bfloat16 weights)")
+        if fp16.fp16_master_weights_and_grads and fp16.enabled is not True:
+            raise ConfigError("'fp16.fp16_master_weights_and_grads' needs fp16.enabled true")
+        if bf16.store_param_remainders and bf16.bf16_master_weights_and_grads:
+            raise ConfigError("bf16.store_param_remainders keeps the fp32 master exactly (as the "
+                              "bf16 weight + 16 bits) and bf16.bf16_master_weights_and_grads "
+                              "drops it to bf16: they contradict each other, set one")
+        if bf16.stochastic_rounding and not (bf16.bf16_master_weights_and_grads
+                                             or bf16.bf16_optimizer_states):
+            raise ConfigError("bf16.stochastic_rounding rounds bf16 master weights and optimizer "
+                              "states, and this config keeps neither in bf16: also set "
+                              "bf16.bf16_master_weights_and_grads and/or "
+                              "bf16.bf16_optimizer_states (or remove it)")
+        zero = cfg.zero_optimization
+        for section in ("offload_optimizer", "offload_param"):
+            if (on or fp16.fp16_master_weights_and_grads) and \
+                    getattr(zero, section).device == "nvme":
+                raise ConfigError(
+                    f"'{(on or ['fp16.fp16_master_weights_and_grads'])[0]}' with "
+                    f"zero_optimization.{section}.device 'nvme' is not supported (the swap "
+                    f"files hold fp32 masters and states): use {section}.device 'cpu' or "
+                    "'none'")
+        if bf16.store_param_remainders:
+            master = REMAINDER_MASTER
+        elif bf16.bf16_master_weights_and_grads or fp16.fp16_master_weights_and_grads:
+            master = LOW_MASTER
+        else:
+            master = FP32_MASTER
+        return cls(master=master,
+                   states=torch.bfloat16 if bf16.bf16_optimizer_states else torch.float32,
+                   stochastic=bf16.stochastic_rounding, seed=bf16.stochastic_rounding_seed)
+
+    @property
+    def plain(self) -> bool:
+        """fp32 master and states: the optimizer runs as the user built it."""
+        return self.master == FP32_MASTER and self.states == torch.float32

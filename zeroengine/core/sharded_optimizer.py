@@ -34,12 +34,14 @@ from .optimizer_factory import (
     build_device_inner,
     build_host_inner,
     build_inner,
+    build_mixed_inner,
+    cpu_adam_mode,
 )
 from .optimizer_kind import TENSORWISE, optimizer_kind
 from .optimizer_offload import OptimizerOffload
 from .optimizer_shard_state import ShardStateIO
 from .owner_step import OwnedParams
-from .precision import LossScaler
+from .precision import LOW_MASTER, LossScaler, OptimizerPrecision
 from .sharding import Sharding
 
 logger = logging.getLogger("zeroengine")
@@ -67,6 +69,7 @@ class InnerPart:
     flat_groups: tuple[int, ...]  # indices into ShardedOptimizer.flat_groups
     copy_out: bool = False  # CPUAdam writing the low-precision copy in its pass (offload)
     fused: bool = False  # FusedAdam taking reduced gradients as they are (CUDA)
+    mixed: bool = False  # CPUAdam over 16-bit masters and/or states (OptimizerPrecision)
 
 
 class ShardedOptimizer(ShardStateIO, torch.optim.Optimizer):
@@ -74,11 +77,15 @@ class ShardedOptimizer(ShardStateIO, torch.optim.Optimizer):
                  reducer: GradReducer, comm: Comm, *, sharding: Sharding, settings: StepSettings,
                  loss_scaler: LossScaler | None = None, offload: OptimizerOffload | None = None,
                  fetcher=None, param_names: dict[int, str] | None = None, swap=None,
-                 clock):
+                 clock, precision: OptimizerPrecision | None = None,
+                 element_index: dict[int, int] | None = None):
         """Collaborators: ``reducer`` makes the gradients final, ``offload`` (optional) holds
         the step's host buffers, ``fetcher`` (stage 3) refreshes segments gathered across the
         step. ``swap`` (NVMe offload): the OptimizerSwap holding the masters on the drive; the
-        state joins them, and each sub-group becomes one of its tiles."""
+        state joins them, and each sub-group becomes one of its tiles. ``precision``: the
+        dtypes of masters and states (bf16/fp16 master keys); ``element_index``: id(param)
+        -> the index of its first element in the model, where stochastic rounding's random
+        bits come from."""
         # Deliberately not calling Optimizer.__init__: it would copy the groups, and sharing the
         # user's dicts is what keeps their schedulers working.
         init_without_copying_groups(self, base.defaults)
@@ -102,6 +109,9 @@ class ShardedOptimizer(ShardStateIO, torch.optim.Optimizer):
         self.parts: list[InnerPart] = []
         self.owned: dict[int, OwnedParams] = {}  # flat group index -> its owners' view
         self._part_of: dict[int, int] = {}  # flat group index -> index into self.parts
+        self.precision = precision or OptimizerPrecision()
+        self.element_index = element_index or {}
+        self._index_runs: dict[tuple[int, int], torch.Tensor] = {}  # stochastic rounding's
         self._build_inner(base)
         self.sub_groups = self._plan_sub_groups(settings.sub_group_numel)
         self.swap = swap
@@ -148,7 +158,10 @@ class ShardedOptimizer(ShardStateIO, torch.optim.Optimizer):
                 inner_index += 1
                 self._part_of[fi] = len(self.parts)
             fg0 = self.flat_groups[flat_indices[0]]
-            if kind == TENSORWISE:
+            mixed = self._needs_mixed(member, kind, flat_indices)
+            if mixed:
+                optimizer = build_mixed_inner(member, groups, self.precision)
+            elif kind == TENSORWISE:
                 for fi in flat_indices:  # a constructor may look at the values
                     self.owned[fi].acquire()
                 optimizer = build_inner(member, groups)
@@ -164,9 +177,53 @@ class ShardedOptimizer(ShardStateIO, torch.optim.Optimizer):
                 copy_out=self.offload is not None and isinstance(optimizer, CPUAdam),
                 # FusedAdam (CUDA) also takes the gradient as it is (bf16, scaled) with the
                 # unscale / clip coefficient, so no fp32 copy or scaling pass precedes it
-                fused=self.offload is None and isinstance(optimizer, FusedAdam)))
+                fused=self.offload is None and isinstance(optimizer, FusedAdam),
+                mixed=mixed))
         self.inner = OptimizerChain([part.optimizer for part in self.parts]) \
             if len(self.parts) != 1 else self.parts[0].optimizer
+
+    def _needs_mixed(self, member, kind: str, flat_indices) -> bool:
+        """Whether these groups step with 16-bit masters or states (CPUAdam's mixed step);
+        refuses, by name, an optimizer that cannot (only Adam/AdamW computes its update in
+        fp32 and rounds it into 16-bit storage here)."""
+        fgs = [self.flat_groups[fi] for fi in flat_indices]
+        low_master = any(fg.master_format == LOW_MASTER for fg in fgs)
+        if not low_master and self.precision.states == torch.float32:
+            return False
+        keys = ([f"{'fp16.fp16' if fgs[0].dtype == torch.float16 else 'bf16.bf16'}"
+                 "_master_weights_and_grads"] if low_master else []) + \
+            (["bf16.bf16_optimizer_states"] if self.precision.states != torch.float32 else [])
+        name = type(member).__name__
+        if kind == TENSORWISE:
+            raise ValueError(
+                f"{' and '.join(keys)}: {name} updates whole tensors (tensor-wise) and keeps its "
+                "own state dtypes; zeroengine rounds 16-bit masters and states only in its fused "
+                "Adam/AdamW step. Use bf16.store_param_remainders (exact, any optimizer) or "
+                "leave these keys off for it")
+        if cpu_adam_mode(member) is None:
+            raise ValueError(
+                f"{' and '.join(keys)}: supported for torch.optim.Adam/AdamW (without amsgrad, "
+                f"maximize, differentiable, capturable or a tensor lr), whose update the fused "
+                f"step computes in fp32 and rounds into 16-bit storage; {name} would compute in "
+                "bf16 itself. Use bf16.store_param_remainders (exact, any optimizer) instead")
+        return True
+
+    def _runs(self, fi: int, s: int) -> torch.Tensor:
+        """Stochastic rounding: segment s of group fi's chunk as int64 [k, 3] runs (first
+        element in the chunk, count, the first's index in the model), padding left out."""
+        key = (fi, s)
+        if key not in self._index_runs:
+            fg = self.flat_groups[fi]
+            seg = fg.layout.segments[s]
+            rows = []
+            for piece in fg.layout.shard_pieces(fg.rank):
+                local = piece.shard_offset - seg.shard_offset
+                if 0 <= local < seg.chunk_numel:
+                    base = self.element_index[id(fg.params[piece.param])]
+                    rows.append([local, piece.numel, base + piece.param_offset])
+            self._index_runs[key] = torch.tensor(sorted(rows), dtype=torch.int64) \
+                .reshape(-1, 3)
+        return self._index_runs[key]
 
     @property
     def inner_name(self) -> str:
@@ -336,8 +393,10 @@ class ShardedOptimizer(ShardStateIO, torch.optim.Optimizer):
             for fi, s in batch:
                 by_part.setdefault(self._part_of[fi], []).append((fi, s))
             written: set = set()
+            joined = self._join_remainders(batch)
             for k, entries in by_part.items():
                 written |= self._step_entries(self.parts[k], entries, grads, coef)
+            written |= self._settle_remainders(joined)
             copies: list[Handle] = []
             in_flight = self.publish(batch, written, in_flight, copies)
             if self.swap is not None:
@@ -348,8 +407,10 @@ class ShardedOptimizer(ShardStateIO, torch.optim.Optimizer):
             masters = fg.master_segments
             group_grads = [self.offload.grad_segment(fi, s, grads[fi][s])
                            if self.offload is not None else grads[fi][s] for s in segments]
+            joined = self._join_remainders([(fi, s) for s in segments])
             owned.step(self.parts[self._part_of[fi]].optimizer, masters, group_grads, coef)
-            in_flight = self.publish([(fi, s) for s in segments], set(), in_flight)
+            written = self._settle_remainders(joined)
+            in_flight = self.publish([(fi, s) for s in segments], written, in_flight)
         for handle, _ in in_flight:
             handle.wait()
         if self.fetcher is not None and (self.fetcher.gathered or self.fetcher.secondary):
@@ -358,11 +419,33 @@ class ShardedOptimizer(ShardStateIO, torch.optim.Optimizer):
             self.fetcher.refresh_gathered()
         return True
 
+    def _join_remainders(self, batch) -> list[tuple[int, int]]:
+        """bf16.store_param_remainders: the exact fp32 masters of ``batch`` ((group, segment)
+        pairs) made for the step (one sub-group's worth at a time). Returns those made."""
+        joined = [(fi, s) for fi, s in batch if self.flat_groups[fi].remainder is not None]
+        for fi, s in joined:
+            self.flat_groups[fi].join_masters([s])
+        return joined
+
+    def _settle_remainders(self, joined) -> set:
+        """After the step: each updated fp32 master split back into its bf16 weight (rounded to
+        nearest, as publishing an fp32 master would) and remainder. Returns the pairs whose
+        model chunk already holds the weight (not offloaded)."""
+        written = set()
+        for fi, s in joined:
+            fg = self.flat_groups[fi]
+            fg.settle_masters([s], write_back=True)
+            if fg.master is None:
+                written.add((fi, s))
+        return written
+
     def _step_entries(self, part: InnerPart, entries, grads, coef: float) -> set:
         """Step ``part`` (elementwise) over ``entries`` ((flat group, segment) pairs). Returns
         the pairs whose model values the step already wrote."""
         if part.fused:
             return self._fused_step(part.optimizer, entries, grads, coef)
+        if part.mixed:
+            return self._mixed_step(part, entries, grads, coef)
         copy_out = {}  # master chunk -> tensor receiving its low-precision values
         for fi, s in entries:
             master, grad = self.flat_groups[fi].master_segments[s], grads[fi][s]
@@ -385,6 +468,29 @@ class ShardedOptimizer(ShardStateIO, torch.optim.Optimizer):
             self.flat_groups[fi].master_segments[s].grad = None
         return set(copy_out)
 
+    def _mixed_step(self, part: InnerPart, entries, grads, coef: float) -> set:
+        """One CPUAdam pass per chunk over 16-bit masters and/or states: gradients as reduced
+        (or their host copies), the coefficient applied in the pass. Returns the pairs whose
+        model values are already written (the master is the model's chunk, or its copy-out)."""
+        grad_of, copy_out, runs, written = {}, {}, {}, set()
+        for fi, s in entries:
+            fg = self.flat_groups[fi]
+            master, grad = fg.master_segments[s], grads[fi][s]
+            if self.offload is not None:
+                grad = self.offload.grad_segment(fi, s, grad)
+                target = self.offload.copy_out_target(fi, s) if part.copy_out else None
+                if target is not None:
+                    copy_out[master] = target
+                    written.add((fi, s))
+            elif fg.master is None and fg.remainder is None:  # the master is the chunk
+                written.add((fi, s))
+            grad_of[master] = grad
+            if self.precision.stochastic:
+                runs[master] = self._runs(fi, s)
+        part.optimizer.step(grads=grad_of, grad_coef=coef, low_precision_copies=copy_out,
+                            index_runs=runs or None)
+        return written
+
     def _fused_step(self, inner, batch, grads, coef: float) -> set:
         """One FusedAdam launch over the batch: gradients as reduced (bf16/fp16/fp32), the
         coefficient applied in the kernel, the compute-dtype chunk written in the same pass.
@@ -394,6 +500,8 @@ class ShardedOptimizer(ShardStateIO, torch.optim.Optimizer):
             fg = self.flat_groups[fi]
             master = fg.master_segments[s]
             grad_of[master] = grads[fi][s]
+            if fg.remainder is not None:  # its weights come from splitting the master after
+                continue
             if fg.master is None:  # fp32: the master is the model's own chunk
                 written.add((fi, s))
                 continue

@@ -81,9 +81,14 @@ def _estimate(args) -> int:
     stage, precision, optimizer = args.stage, args.precision, args.optimizer
     offload_optimizer, offload_param = args.offload_optimizer, args.offload_param
     params = args.params
+    master, state_bytes = args.master, 2 if args.states == "bf16" else 4
     source = f"{params:,.0f} parameters" if params else ""
     if args.config:
         cfg = parse_config(args.config)
+        from ..core.precision import OptimizerPrecision
+        kept = OptimizerPrecision.from_config(cfg)
+        master = kept.master if master is None else master
+        state_bytes = kept.states.itemsize if args.states is None else state_bytes
         zero = cfg.zero_optimization
         stage = zero.stage if stage is None else stage
         precision = "fp16" if cfg.fp16.enabled is True else (
@@ -101,19 +106,21 @@ def _estimate(args) -> int:
     if not params:
         raise SystemExit("zeroengine estimate: give --params or --config")
     stage = 0 if stage is None else stage
+    master = master or "fp32"
     states = states_per_param(optimizer)
     gib = 2 ** 30
     offload_optimizer, offload_param = offload_optimizer or "none", offload_param or "none"
     nvme = "nvme" in (offload_optimizer, offload_param)
     print(f"Model states per rank for {source}, stage {stage}, {precision}, {optimizer} "
-          f"({states} states/param), offload optimizer {offload_optimizer}, params "
+          f"({states} states/param, {state_bytes} bytes each; {master} master), offload "
+          f"optimizer {offload_optimizer}, params "
           f"{offload_param} (GiB; ZeRO formulas, no activations or buffers)\n")
     print("| world size | params | grads | optimizer states | device total | host total |"
           + (" NVMe total |" if nvme else ""))
     print("|---|---|---|---|---|---|" + ("---|" if nvme else ""))
     for world in args.world:
         e = model_state_bytes(params, stage, world, precision, states, offload_optimizer,
-                              offload_param)
+                              offload_param, master, state_bytes)
         print(f"| {world} | {e.params / gib:.3f} | {e.grads / gib:.3f} | "
               f"{e.optimizer_states / gib:.3f} | {e.device_total / gib:.3f} | "
               f"{e.host_total / gib:.3f} |" + (f" {e.nvme_total / gib:.3f} |" if nvme else ""))
@@ -270,6 +277,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--world", type=int, nargs="+", default=[1, 2, 8, 64, 1024])
     e.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"))
     e.add_argument("--optimizer", default="adamw")
+    e.add_argument("--master", default=None, choices=("fp32", "low", "remainder"),
+                   help="how the master weights are kept: fp32; low (the bf16/fp16 weights "
+                   "themselves: bf16_master_weights_and_grads); remainder (bf16 weights + 16 "
+                   "bits: store_param_remainders). Default: the config's, else fp32")
+    e.add_argument("--states", default=None, choices=("fp32", "bf16"),
+                   help="the optimizer states' dtype (bf16: bf16_optimizer_states)")
     e.add_argument("--offload-optimizer", nargs="?", const="cpu", default=None,
                    choices=("none", "cpu", "nvme"), help="where the optimizer states go "
                    "(the flag alone: cpu)")

@@ -6,6 +6,10 @@ fp32) and S elementwise optimizer states (Adam: 2; SGD with momentum: 1):
   grads       b*P (stages 2-3: b*P/N)
   optimizer   (m + 4*S)*P / N   (stage 0: not divided), m = 4 for the fp32 master copy (mixed
               precision, or any offloaded run), 0 in fp32 where the parameter is the master
+The bf16/fp16 master keys change m and the 4 of each state: a low-precision master
+(bf16_master_weights_and_grads) is the weights themselves, m = 0 (2 with offload: the host
+copy); remainders (store_param_remainders) m = 2 (4 with offload: host weights + remainders);
+bf16_optimizer_states 2 bytes per state instead of 4.
 Offload moves the optimizer part to host memory, plus an fp32 host copy of the gradient shard
 (4*P/N); offload_param moves the stage-3 parameter shard there. To "nvme", the same parts go to
 the drive instead (``nvme_*``) and no host gradient copy is kept (converted a tile at a time);
@@ -63,9 +67,15 @@ def states_per_param(optimizer: str, momentum: float = 0.9) -> int:
 
 def model_state_bytes(num_params: float, stage: int, world_size: int, precision: str = "fp32",
                       states: int = 2, offload_optimizer: bool | str = False,
-                      offload_param: bool | str = False) -> MemoryEstimate:
+                      offload_param: bool | str = False, master: str = "fp32",
+                      state_bytes: int = 4) -> MemoryEstimate:
     """Bytes of model states per rank (see the module docstring for the formulas).
-    ``offload_*``: False/"none", True/"cpu" or "nvme"."""
+    ``offload_*``: False/"none", True/"cpu" or "nvme". ``master``: "fp32", "low" (the
+    bf16/fp16 weights are the master) or "remainder"; ``state_bytes``: 4 (fp32) or 2 (bf16)."""
+    if master not in ("fp32", "low", "remainder"):
+        raise ValueError(f"master must be fp32, low or remainder, got {master!r}")
+    if master != "fp32" and precision == "fp32":
+        raise ValueError(f"a {master} master needs bf16 or fp16 training")
     offload_optimizer, offload_param = _where(offload_optimizer), _where(offload_param)
     sharding = Sharding.of_stage(stage)
     if world_size < 1:
@@ -81,8 +91,11 @@ def model_state_bytes(num_params: float, stage: int, world_size: int, precision:
     shard = P / N
     params = b * shard if sharding.parameters else b * P
     grads = b * shard if sharding.gradients else b * P
-    master = 4 if (precision != "fp32" or offload_optimizer) else 0
-    optimizer = (master + 4 * states) * (shard if sharding.optimizer_state else P)
+    master_bytes = {"fp32": 4 if (precision != "fp32" or offload_optimizer) else 0,
+                    "low": 2 if offload_optimizer else 0,
+                    "remainder": 4 if offload_optimizer else 2}[master]
+    optimizer = (master_bytes + state_bytes * states) * \
+        (shard if sharding.optimizer_state else P)
     moved = {}
     if offload_optimizer:
         moved[f"{offload_optimizer}_optimizer_states"], optimizer = optimizer, 0.0
