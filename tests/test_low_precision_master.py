@@ -42,7 +42,13 @@ def weights(engine) -> dict[str, torch.Tensor]:
 
 
 # -- remainders ------------------------------------------------------------------------------
-def test_remainders_rebuild_every_fp32_value_except_even_ties():
+@pytest.mark.parametrize("extension", [True, False], ids=["c++", "pytorch"])
+def test_remainders_rebuild_every_fp32_value_except_even_ties(monkeypatch, extension):
+    from zeroengine.core import master_bits
+    if not extension:  # the PyTorch path (a GPU's)
+        monkeypatch.setattr(master_bits, "_ext", None)
+    else:
+        assert master_bits._on_cpu(torch.zeros(1))
     g = torch.Generator().manual_seed(0)
     bits = torch.randint(-2 ** 31, 2 ** 31, (200_000,), dtype=torch.int64, generator=g)
     values = bits.to(torch.int32).view(torch.float32)
@@ -342,7 +348,11 @@ def test_stochastic_rounding_of_a_shard_is_the_rounding_of_the_whole_tensor():
 def test_stochastic_rounding_bits_are_the_kernels_in_pytorch():
     """The PyTorch path (other devices) draws the kernel's bits: the same roundings, except
     where the two float32 computations differ by an ulp across a rounding boundary."""
-    kernel, torch_path = _stochastic_adam(True, None), _stochastic_adam(False, None)
+    for base in (1000, 2 ** 32 - 300):  # (the kernel hoists the index's upper half: crossing)
+        _same_roundings(_stochastic_adam(True, None, base), _stochastic_adam(False, None, base))
+
+
+def _same_roundings(kernel, torch_path):
     for a, b in zip(kernel, torch_path):
         same = (a.view(torch.int16) == b.view(torch.int16)).float().mean().item()
         assert same >= 0.995, same

@@ -151,7 +151,8 @@ struct RoundingKeys {
 };
 
 // One Adam step over [begin, end) whose first element has index ``index0`` in the model
-// (where the random bits of stochastic rounding come from): everything read is widened to
+// (where the random bits of stochastic rounding come from; the range lies within one 2^32
+// block of indices, whose upper half ``keys`` already holds: rounding_bits' inner hash): everything read is widened to
 // float, adam_update runs in float as in adam_range, and the results are rounded into their
 // storage (to nearest, or stochastically with kStoch). LowT: the bf16/fp16 copy of an fp32
 // master (offload's copy-out), or NoLow.
@@ -165,11 +166,11 @@ ZE_CLONES void mixed_range(typename PT::T* __restrict p, const typename GT::T* _
     const float grad = GT::load(g, i) * grad_coef;
     const float param = zeroengine::adam_update<kLerpFromM>(PT::load(p, i), grad, mi, vi, c);
     uint32_t rp = 0, rm = 0, rv = 0;
-    if constexpr (kStoch) {
-      const uint64_t index = index0 + static_cast<uint64_t>(i - begin);
-      rp = zeroengine::rounding_bits(keys.param, index);
-      rm = zeroengine::rounding_bits(keys.exp_avg, index);
-      rv = zeroengine::rounding_bits(keys.exp_avg_sq, index);
+    if constexpr (kStoch) {  // rounding_bits with its inner hash (the index's upper half) hoisted
+      const uint32_t index = static_cast<uint32_t>(index0 + static_cast<uint64_t>(i - begin));
+      rp = zeroengine::fmix32(index ^ keys.param);
+      rm = zeroengine::fmix32(index ^ keys.exp_avg);
+      rv = zeroengine::fmix32(index ^ keys.exp_avg_sq);
     }
     PT::template store<kStoch>(p, i, param, rp);
     ST::template store<kStoch>(m, i, mi, rm);
@@ -197,13 +198,26 @@ void mixed_run(const MixedArgs& a, int64_t begin, int64_t n, uint64_t index0) {
   auto* m = static_cast<typename ST::T*>(a.m);
   auto* v = static_cast<typename ST::T*>(a.v);
   at::parallel_for(begin, begin + n, 1 << 15, [&](int64_t b, int64_t e) {
-    const uint64_t first = index0 + static_cast<uint64_t>(b - begin);
-    if (a.c.lerp_from_m) {
-      mixed_range<PT, ST, GT, LowT, kStoch, true>(p, g, m, v, a.low, b, e, first, a.c,
-                                                  a.grad_coef, a.keys);
-    } else {
-      mixed_range<PT, ST, GT, LowT, kStoch, false>(p, g, m, v, a.low, b, e, first, a.c,
-                                                   a.grad_coef, a.keys);
+    while (b < e) {  // pieces within one 2^32 block of model indices (almost always one)
+      const uint64_t first = index0 + static_cast<uint64_t>(b - begin);
+      const uint64_t block_left = (uint64_t{1} << 32) - (first & 0xFFFFFFFFu);
+      const int64_t end = static_cast<uint64_t>(e - b) > block_left
+          ? b + static_cast<int64_t>(block_left) : e;
+      RoundingKeys keys = a.keys;
+      if constexpr (kStoch) {
+        const uint32_t upper = static_cast<uint32_t>(first >> 32);
+        keys = {zeroengine::fmix32(a.keys.param ^ upper),
+                zeroengine::fmix32(a.keys.exp_avg ^ upper),
+                zeroengine::fmix32(a.keys.exp_avg_sq ^ upper)};
+      }
+      if (a.c.lerp_from_m) {
+        mixed_range<PT, ST, GT, LowT, kStoch, true>(p, g, m, v, a.low, b, end, first, a.c,
+                                                    a.grad_coef, keys);
+      } else {
+        mixed_range<PT, ST, GT, LowT, kStoch, false>(p, g, m, v, a.low, b, end, first, a.c,
+                                                     a.grad_coef, keys);
+      }
+      b = end;
     }
   });
 }
@@ -234,6 +248,30 @@ RunFn pick_run(at::ScalarType p, at::ScalarType s, at::ScalarType g, int low) {
     if (g == kHalf) return &mixed_run<F16, F32, F16, NoLow, false>;
   }
   return nullptr;
+}
+
+ZE_CLONES void split_range(const uint32_t* __restrict x, uint16_t* __restrict w,
+                           uint16_t* __restrict r, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) {
+    const uint32_t bits = x[i];
+    const uint32_t low = bits & 0xFFFFu;
+    const uint32_t even_tie = -static_cast<uint32_t>(low == 0x8000u) &
+                              -static_cast<uint32_t>(((bits >> 16) & 1u) == 0u);
+    r[i] = static_cast<uint16_t>((even_tie & 0x7FFFu) | (~even_tie & low));
+  }
+  if (w != nullptr) {
+    for (int64_t i = begin; i < end; ++i) {
+      w[i] = ToBFloat16::convert(__builtin_bit_cast(float, x[i]));
+    }
+  }
+}
+
+ZE_CLONES void join_range(const uint16_t* __restrict w, const uint16_t* __restrict r,
+                          uint32_t* __restrict x, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) {
+    const uint32_t upper = (static_cast<uint32_t>(w[i]) - (r[i] >> 15)) & 0xFFFFu;
+    x[i] = (upper << 16) | r[i];
+  }
 }
 
 void check(const at::Tensor& t, const char* name, int64_t n) {
@@ -343,6 +381,44 @@ bool adam_step_mixed(at::Tensor p, at::Tensor g, at::Tensor m, at::Tensor v, dou
   return true;
 }
 
+// -- remainders (bf16.store_param_remainders; zeroengine/core/master_bits.py has the why) ------
+// fp32 master -> its bf16 weight (round to nearest even; skipped without ``weight``) and the
+// int16 remainder, its lower half, except that a value exactly halfway whose upper half is
+// even is stored as 0x7FFF (one fp32 ulp nearer the weight, which it still rounds to).
+void split_master(at::Tensor master, c10::optional<at::Tensor> weight, at::Tensor remainder) {
+  const int64_t n = master.numel();
+  TORCH_CHECK(master.scalar_type() == at::kFloat, "master must be float32");
+  check_mixed(master, "master", n);
+  check_mixed(remainder, "remainder", n);
+  TORCH_CHECK(remainder.scalar_type() == at::kShort, "remainder must be int16");
+  uint16_t* w = nullptr;
+  if (weight.has_value()) {
+    check_mixed(*weight, "weight", n);
+    TORCH_CHECK(weight->scalar_type() == at::kBFloat16, "weight must be bfloat16");
+    w = reinterpret_cast<uint16_t*>(weight->data_ptr());
+  }
+  const uint32_t* x = reinterpret_cast<const uint32_t*>(master.data_ptr<float>());
+  uint16_t* r = reinterpret_cast<uint16_t*>(remainder.data_ptr<int16_t>());
+  at::parallel_for(0, n, 1 << 16, [&](int64_t b, int64_t e) {
+    split_range(x, w, r, b, e);
+  });
+}
+
+// The inverse: ``out`` (float32) from the bf16 ``weight`` and its int16 ``remainder``.
+void join_master(at::Tensor weight, at::Tensor remainder, at::Tensor out) {
+  const int64_t n = out.numel();
+  TORCH_CHECK(out.scalar_type() == at::kFloat && weight.scalar_type() == at::kBFloat16 &&
+              remainder.scalar_type() == at::kShort,
+              "join_master takes bfloat16 weights, int16 remainders and a float32 output");
+  check_mixed(out, "out", n);
+  check_mixed(weight, "weight", n);
+  check_mixed(remainder, "remainder", n);
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+  const uint16_t* r = reinterpret_cast<const uint16_t*>(remainder.data_ptr<int16_t>());
+  uint32_t* x = reinterpret_cast<uint32_t*>(out.data_ptr<float>());
+  at::parallel_for(0, n, 1 << 16, [&](int64_t b, int64_t e) { join_range(w, r, x, b, e); });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "zeroengine one-pass CPU Adam/AdamW";
   m.def("adam_step", &adam_step, "one Adam/AdamW step over flat fp32 buffers", py::arg("param"),
@@ -357,4 +433,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight_decay"), py::arg("step"), py::arg("adamw"), py::arg("bias_correction"),
         py::arg("grad_coef"), py::arg("stochastic"), py::arg("seed"),
         py::arg("runs") = py::none(), py::arg("low") = py::none());
+  m.def("split_master", &split_master, "fp32 master -> bf16 weight + int16 remainder",
+        py::arg("master"), py::arg("weight"), py::arg("remainder"));
+  m.def("join_master", &join_master, "bf16 weight + int16 remainder -> fp32 master",
+        py::arg("weight"), py::arg("remainder"), py::arg("out"));
 }
