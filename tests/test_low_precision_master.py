@@ -72,26 +72,32 @@ def test_remainders_rebuild_every_fp32_value_except_even_ties(monkeypatch, exten
     assert torch.equal(rebuilt.to(torch.bfloat16), weight)
 
 
-def _fp32_vs_remainders(stage: int, offload: bool, optimizer: str):
+def _fp32_vs_remainders(stage: int, offload: bool, optimizer: str, window: int | None = None):
+    from zeroengine.core import sharded_optimizer
+    if window is not None:  # sub-groups of a few segments: masters rebuilt a window at a time
+        sharded_optimizer.REMAINDER_WINDOW = window
     out = []
     for remainders in (False, True):
         engine, losses = train_engine(bf16_config(stage, offload,
                                                   store_param_remainders=remainders),
                                       optimizer, STEPS, 2)
+        if remainders and window is not None:
+            assert len(engine.optimizer.sub_groups) > 3, engine.optimizer.sub_groups
         out.append((engine.consolidated_state_dict(), weights(engine), losses,
                     master_state_bytes(engine)))
         engine.close()
     return out
 
 
-@pytest.mark.parametrize("stage,offload,optimizer", [
-    (1, False, "adamw"), (2, False, "adamw"), (3, False, "adamw"), (2, True, "adamw"),
-    (3, True, "adamw"), (2, False, "sgd"), (3, False, "muon")])
-def test_remainders_are_bitwise_the_fp32_master_run(stage, offload, optimizer):
+@pytest.mark.parametrize("stage,offload,optimizer,window", [
+    (1, False, "adamw", None), (2, False, "adamw", 40), (3, False, "adamw", None),
+    (2, True, "adamw", None), (3, True, "adamw", 40), (2, False, "sgd", None),
+    (3, False, "muon", None)])
+def test_remainders_are_bitwise_the_fp32_master_run(stage, offload, optimizer, window):
     """Any optimizer (SGD; Muon, tensor-wise, on whole gathered matrices) steps the exact fp32
-    master rebuilt from the weight and its remainder."""
+    master rebuilt from the weight and its remainder, whole or a window at a time."""
     for rank, ((master, weight, losses, nbytes), (r_master, r_weight, r_losses, r_nbytes)) in \
-            enumerate(run_ranks(2, _fp32_vs_remainders, stage, offload, optimizer)):
+            enumerate(run_ranks(2, _fp32_vs_remainders, stage, offload, optimizer, window)):
         assert r_losses == losses, rank
         for name in master:
             assert torch.equal(r_master[name], master[name]), (rank, name)
@@ -476,3 +482,18 @@ def test_checkpoints_move_between_bf16_fp32_and_remainder_masters(tmp_path):
         if rank == 0:
             assert out["warned"] and "fp32 master weights to bfloat16" in out["warned"][0]
             assert "fp32 optimizer states to bfloat16" in out["warned"][0]
+
+
+def test_offloaded_gradients_stay_bf16_beside_a_bf16_master():
+    """bf16_master_weights_and_grads: the optimizer reads the gradient as reduced (bf16), so
+    offload keeps no fp32 host copy of it (here the reduced bf16 gradient is already in host
+    memory and is read in place; an fp32 master's step needs its fp32 copy)."""
+    held = {}
+    for name, keys in (("fp32", {}), ("bf16", {"bf16_master_weights_and_grads": True})):
+        cfg = probe_config(2, True, **keys)
+        del cfg["communication_data_type"]  # reduced in bf16, the default
+        engine = train_probe(cfg, 2)
+        held[name] = engine.memory_report()["host_grads"]
+        engine.close()
+    assert held["fp32"] >= 4 * sum(p.numel() for p in Probe().parameters())
+    assert held["bf16"] == 0

@@ -2,7 +2,8 @@
 host memory and the optimizer runs on the CPU.
 
 One step, sub-group by sub-group (``zero_optimization.sub_group_size`` elements each):
-  1. gradients: each bucket's reduced chunk is copied into its host fp32 buffer as soon as its
+  1. gradients: each bucket's reduced chunk is copied into its host fp32 buffer (in the compute
+     dtype for a bf16/fp16 master, whose fused step widens it) as soon as its
      collective finishes in the last backward before the step (on CUDA: a non-blocking copy on
      a side stream, overlapping the rest of backward); the step waits only for the sub-group it
      is about to update, and copies now whatever no backward copied (an early step()).
@@ -21,7 +22,7 @@ import torch
 from ..dist.handles import Handle, copy_async
 from .flat_param_group import FlatParamGroup
 from .layout import shard_segment_views
-from .precision import FP32_MASTER
+from .precision import FP32_MASTER, LOW_MASTER
 
 HOST = torch.device("cpu")
 
@@ -48,7 +49,7 @@ class OptimizerOffload:
         self.low: list[list[torch.Tensor] | None] = []
         self._convert = [self._needs_grad_copy(g) for g in groups]  # not usable as reduced
         for g, convert in zip(groups, self._convert):
-            self.grads.append(self._host_views(g, torch.float32, pin)
+            self.grads.append(self._host_views(g, self._grad_dtype(g), pin)
                               if convert and not stream_grads else None)
             # The bf16/fp16 values the optimizer writes go straight into the chunk when it is
             # in host memory; otherwise into a host staging buffer sent to the device after
@@ -70,10 +71,18 @@ class OptimizerOffload:
         write them in place)."""
         return g.shard_device.type == "cpu" if g.partitioned else g.device.type == "cpu"
 
+    def _grad_dtype(self, g: FlatParamGroup) -> torch.dtype:
+        """The dtype of the host gradient the optimizer reads: fp32, or as reduced for a
+        low-precision master (bf16_master_weights_and_grads: its fused step widens it)."""
+        if g.master_format == LOW_MASTER:
+            return self.reduce_dtype or g.dtype
+        return torch.float32
+
     def _needs_grad_copy(self, g: FlatParamGroup) -> bool:
-        """False where the reduced gradient already is fp32 in host memory: used in place."""
+        """False where the reduced gradient already is in host memory in the dtype the
+        optimizer reads: used in place."""
         reduce_dtype = self.reduce_dtype or g.dtype
-        return g.device.type != "cpu" or reduce_dtype != torch.float32
+        return g.device.type != "cpu" or reduce_dtype != self._grad_dtype(g)
 
     @staticmethod
     def _host_views(g: FlatParamGroup, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]:
@@ -96,7 +105,8 @@ class OptimizerOffload:
     def grad_segment(self, fi: int, s: int, device_grad: torch.Tensor) -> torch.Tensor:
         """The fp32 host gradient of segment s of flat group fi, ready for the CPU to read."""
         if self.grads[fi] is None:  # used as reduced, or converted now (stream_grads)
-            return device_grad.to(HOST, torch.float32) if self._convert[fi] else device_grad
+            return device_grad.to(HOST, self._grad_dtype(self.groups[fi])) \
+                if self._convert[fi] else device_grad
         host = self.grads[fi][s]
         key = (fi, s)
         if key in self._grad_copies:

@@ -46,6 +46,10 @@ from .sharding import Sharding
 
 logger = logging.getLogger("zeroengine")
 
+# bf16.store_param_remainders: elements of fp32 master rebuilt at a time (16 MB; at least one
+# segment), whatever zero_optimization.sub_group_size allows
+REMAINDER_WINDOW = 1 << 22
+
 
 class NonFiniteGradientError(FloatingPointError):
     """A step's gradient held inf/NaN and the config's on_nonfinite is 'raise'."""
@@ -113,7 +117,12 @@ class ShardedOptimizer(ShardStateIO, torch.optim.Optimizer):
         self.element_index = element_index or {}
         self._index_runs: dict[tuple[int, int], torch.Tensor] = {}  # stochastic rounding's
         self._build_inner(base)
-        self.sub_groups = self._plan_sub_groups(settings.sub_group_numel)
+        limit = settings.sub_group_numel
+        if any(fg.remainder is not None for fg in flat_groups):
+            # the fp32 masters rebuilt from remainders live for their sub-group's step: a
+            # small window keeps them from adding the fp32 master back to the peak
+            limit = min(limit, REMAINDER_WINDOW)
+        self.sub_groups = self._plan_sub_groups(limit)
         self.swap = swap
         if swap is not None:
             if self.owned:

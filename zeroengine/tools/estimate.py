@@ -11,7 +11,7 @@ The bf16/fp16 master keys change m and the 4 of each state: a low-precision mast
 copy); remainders (store_param_remainders) m = 2 (4 with offload: host weights + remainders);
 bf16_optimizer_states 2 bytes per state instead of 4.
 Offload moves the optimizer part to host memory, plus an fp32 host copy of the gradient shard
-(4*P/N); offload_param moves the stage-3 parameter shard there. To "nvme", the same parts go to
+(4*P/N; b*P/N beside a low-precision master); offload_param moves the stage-3 parameter shard there. To "nvme", the same parts go to
 the drive instead (``nvme_*``) and no host gradient copy is kept (converted a tile at a time);
 the tiles and cache in host memory are buffers, not counted. Mixed-precision Adam gives the
 paper's 16P, 4P + 12P/N, 2P + 14P/N and 16P/N for stages 0-3.
@@ -99,8 +99,8 @@ def model_state_bytes(num_params: float, stage: int, world_size: int, precision:
     moved = {}
     if offload_optimizer:
         moved[f"{offload_optimizer}_optimizer_states"], optimizer = optimizer, 0.0
-        if offload_optimizer == "host":
-            moved["host_grads"] = 4 * shard
+        if offload_optimizer == "host":  # fp32, or as reduced beside a low-precision master
+            moved["host_grads"] = (2 if master == "low" else 4) * shard
     if offload_param:
         moved[f"{offload_param}_params"], params = params, 0.0
     return MemoryEstimate(params, grads, optimizer, **moved)
