@@ -45,8 +45,9 @@ MODES = {  # name -> the bf16 section's keys
 
 # -- memory and step time ------------------------------------------------------------------------
 def run_variant(mode: str, stage: int, offload: bool, steps: int, warmup: int) -> dict:
-    import zeroengine
     from step_bench import _loss, _peak_rss, model_config
+
+    import zeroengine
     from zeroengine.examples.gpt import GPT, num_params
     cfg = model_config(False)
     torch.manual_seed(0)
@@ -125,6 +126,7 @@ def memory(args) -> None:
 # -- the CPU Adam step alone ---------------------------------------------------------------------
 def adam(args) -> None:
     from adam_bench import interleaved_ms
+
     from zeroengine.ops import CPUAdam
     n = args.numel
     gen = torch.Generator().manual_seed(0)
@@ -188,8 +190,8 @@ def curves(args) -> None:
             subprocess.run([sys.executable, "-m", "zeroengine", "train", path, "--nproc", "2",
                             "--runs-dir", out_dir], check=True, cwd=ROOT,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            rows = [json.loads(line) for line in open(
-                os.path.join(out_dir, cfg["job"]["run_name"], "metrics.jsonl"))]
+            with open(os.path.join(out_dir, cfg["job"]["run_name"], "metrics.jsonl")) as f:
+                rows = [json.loads(line) for line in f]
             results.setdefault(mode, {})[seed] = rows
             print(f"{mode} seed {seed}: loss {rows[-1]['loss']:.4f}, val "
                   f"{rows[-1].get('val_loss')}, {time.perf_counter() - start:.0f} s",
