@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ..core.compiled import uncompiled
+from ..core.precision import FP32_MASTER, LOW_MASTER, REMAINDER_MASTER
 from . import format as fmt
 from .commit import agree, attempt
 from .format import CheckpointError
@@ -177,7 +178,7 @@ def _precision_meta(engine) -> dict:
     """What the masters and Adam's moments were kept in (bf16/fp16 master keys): "fp32",
     "float16"/"bfloat16" (low-precision masters) or "remainder" (exact fp32)."""
     precision = engine.optimizer_precision
-    master = precision.master if precision.master != "low" else \
+    master = precision.master if precision.master != LOW_MASTER else \
         str(engine.precision.compute).replace("torch.", "")
     return {"master": master, "states": str(precision.states).replace("torch.", ""),
             "stochastic_rounding": precision.stochastic}
@@ -186,10 +187,11 @@ def _precision_meta(engine) -> dict:
 def _warn_narrowing(engine, meta: dict, path: str) -> None:
     """A checkpoint with fp32 masters or moments loaded where they are kept in 16 bits: they
     are rounded to nearest, which the user should know (the other way is exact)."""
-    saved = meta.get("optimizer_precision") or {"master": "fp32", "states": "float32"}
+    saved = meta.get("optimizer_precision") or {"master": FP32_MASTER, "states": "float32"}
     mine = _precision_meta(engine)
     narrowed = []
-    if saved["master"] in ("fp32", "remainder") and mine["master"] not in ("fp32", "remainder"):
+    exact = (FP32_MASTER, REMAINDER_MASTER)
+    if saved["master"] in exact and mine["master"] not in exact:
         narrowed.append(f"the fp32 master weights to {mine['master']}")
     if saved["states"] == "float32" and mine["states"] != "float32":
         narrowed.append(f"the fp32 optimizer states to {mine['states']}")

@@ -330,6 +330,11 @@ class FlatParamGroup:
             return torch.cat([s.detach().to(self.master_dtype).cpu()
                               for s in self.master_segments])
         out = torch.zeros(self.layout.shard_numel, dtype=torch.float32)
+        if self.remainder is not None:  # joined straight into place (the step's way costs a copy)
+            for s, seg in enumerate(self.layout.segments):
+                join_master(self.weight_segment(s).cpu(), self.remainder_segments[s].cpu(),
+                            seg.of_shard(out))
+            return out
         for s in self.resident_masters():
             self.layout.segments[s].of_shard(out).copy_(self.master_segments[s])
         return out

@@ -103,7 +103,8 @@ class OptimizerOffload:
 
     # -- used by ShardedOptimizer.step ----------------------------------------------------------
     def grad_segment(self, fi: int, s: int, device_grad: torch.Tensor) -> torch.Tensor:
-        """The fp32 host gradient of segment s of flat group fi, ready for the CPU to read."""
+        """The host gradient of segment s of flat group fi (fp32, or as reduced beside a
+        low-precision master: ``_grad_dtype``), ready for the CPU to read."""
         if self.grads[fi] is None:  # used as reduced, or converted now (stream_grads)
             return device_grad.to(HOST, self._grad_dtype(self.groups[fi])) \
                 if self._convert[fi] else device_grad
