@@ -1,4 +1,4 @@
-"""zeroengine: ZeRO-style sharded training for any nn.Module and elementwise torch optimizer.
+"""zeroengine: ZeRO-style sharded training for any nn.Module and any torch optimizer.
 
 The C++ extensions are built ahead of time here. Build with `pip install -e .
 --no-build-isolation` so the installed torch is used, not a fresh download. The CUDA kernels
@@ -121,7 +121,8 @@ setup(
         "ray": ["ray[train]"],  # zeroengine.integrations.ray
         "hf": ["transformers>=5,<6", "accelerate"],  # ZeroTrainer, HF models (tests/test_hf*.py)
         "lightning": ["lightning>=2.2,<3"],  # ZeroStrategy (tests/test_integration_lightning.py)
-        "fastai": ["fastai>=2.7,<3", "accelerate"],  # ZeroCallback (tests/test_integration_fastai.py)
+        # ZeroCallback (tests/test_integration_fastai.py)
+        "fastai": ["fastai>=2.7,<3", "accelerate"],
         "keras": ["keras>=3,<4"],  # torch backend (tests/test_integration_keras.py)
     },
     ext_modules=ext_modules,

@@ -1,7 +1,8 @@
 """CPU Adam step time: torch AdamW (foreach, fused), DeepSpeedCPUAdam (if installed) and
 zeroengine's CPUAdam, at 10M and 50M parameters and 1 and 2 threads, beside the machine's
 memory bandwidth (triad a = b + s*c). Effective GB/s counts 28 bytes per parameter (read p, g,
-m, v; write p, m, v), also for the rows that write a bf16 copy as well (2 bytes more). The optimizers are stepped in turn, one step each per round, so a noisy
+m, v; write p, m, v), also for the rows that write a bf16 copy as well (2 bytes more). The
+optimizers are stepped in turn, one step each per round, so a noisy
 machine's drift hits them alike.
 
     python benchmarks/adam_bench.py [--sizes 10e6,50e6] [--threads 1,2] [--repeats 15]
@@ -9,15 +10,13 @@ machine's drift hits them alike.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from zeroengine.ops import CPUAdam  # noqa: E402
+from zeroengine.ops import CPUAdam
 
 BYTES_PER_PARAM = 28
 
@@ -55,14 +54,15 @@ def optimizers():
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
         yield "DeepSpeedCPUAdam", lambda p: DeepSpeedCPUAdam([p], adamw_mode=True, **kw).step
-    except Exception as err:  # not installed, or its JIT build failed
+    except Exception as err:  # noqa: BLE001 - not installed, or its JIT build failed
         print(f"(DeepSpeedCPUAdam skipped: {type(err).__name__}: {err})", file=sys.stderr)
     yield "zeroengine CPUAdam", lambda p: CPUAdam([p], **kw).step
     # What offload needs after the step: the bf16 copy of the parameters for the device. The
     # peers take a second pass over p for it; CPUAdam writes it in the same pass.
     yield "torch AdamW fused + bf16 copy", lambda p: _then_copy(
         torch.optim.AdamW([p], fused=True, **kw), p)
-    yield "zeroengine CPUAdam + fused bf16 copy-out", lambda p: _with_copy_out(CPUAdam([p], **kw), p)
+    yield "zeroengine CPUAdam + fused bf16 copy-out", \
+        lambda p: _with_copy_out(CPUAdam([p], **kw), p)
 
 
 def _then_copy(opt, p):

@@ -18,13 +18,11 @@ import argparse
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from zeroengine.examples.gpt import GPT, GPTConfig, num_params
 from zeroengine.testing import run_ranks
 
@@ -141,7 +139,7 @@ def in_the_loop(root: str, variant: str, stage: int, small: bool, every: int,
                 v for fg in engine.flat_groups
                 for v in engine.optimizer.shard_state(fg)[0].values()]
     else:
-        from zeroengine.dist.comm import init_distributed
+        from zeroengine.distributed.bootstrap import init_distributed
         init_distributed()
         model, opt, save = _fsdp2(small)
 
@@ -235,7 +233,8 @@ def main() -> None:
                    args.windows)
         return
     from zeroengine.tools.cli import main as cli
-    print("| stage | params | checkpoint size, all ranks (MB) | save, 2 ranks (s) | load, 2 ranks (s) | "
+    print("| stage | params | checkpoint size, all ranks (MB) | save, 2 ranks (s) | "
+          "load, 2 ranks (s) | "
           "load resharded to 1 rank, stage 0 (s) | consolidate (s) |")
     print("|---|---|---|---|---|---|---|")
     for stage in (int(s) for s in args.stages.split(",")):

@@ -41,7 +41,6 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
 from zeroengine.examples.gpt import GPT, GPTConfig  # noqa: E402
 from zeroengine.testing import run_ranks  # noqa: E402
 from zeroengine.tools.estimate import gpt_num_params  # noqa: E402
@@ -350,7 +349,7 @@ def main() -> None:
         print("deepspeed is not importable: its rows are left out "
               "(pip install 'zeroengine[bench]'; DS_ACCELERATOR=cpu)", file=sys.stderr)
     variants = args.variants.split(",") if args.variants else \
-        [v for v in PEERS + OURS if have_ds or not v in DEEPSPEED]
+        [v for v in PEERS + OURS if have_ds or v not in DEEPSPEED]
     if args.optimizer == "muon":
         variants = [v for v in variants if v in MUON_VARIANTS]
     # bf16: the rows the targets name (offload and ZeroRedundancyOptimizer in fp32 only, unless

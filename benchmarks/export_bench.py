@@ -36,9 +36,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.load_bench import _status, checkpoint  # noqa: E402
-from zeroengine.testing import run_ranks  # noqa: E402
+from benchmarks.load_bench import _status, checkpoint
+from zeroengine.testing import run_ranks
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench_out")
 

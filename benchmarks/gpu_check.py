@@ -35,8 +35,6 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 RESULTS: dict = {"checks": {}, "timings": []}
 FAILED: list[str] = []
 DEVICE = "cuda"  # "cpu" under --cpu-dry-run
@@ -220,14 +218,14 @@ def check_quantize() -> None:
 
 # -- 4. side streams -----------------------------------------------------------------------------
 def check_streams() -> None:
-    from zeroengine.dist.handles import GATHER, Handle, copy_async
+    from zeroengine.distributed.handles import GATHER, Handle, copy_async
     a = torch.randn(8192, 8192, device=DEVICE)
-    for trial in range(3):
+    for _trial in range(3):
         produced = a @ a  # long-running on the compute stream
         target = torch.empty_like(produced)
 
-        def launch():  # stands in for an async collective: reads the input, writes the output
-            target.copy_(produced)
+        def launch(target=target, produced=produced):  # stands in for an async collective:
+            target.copy_(produced)  # reads the input, writes the output
             return Handle()
         handle = GATHER.run([target, produced], launch)
         handle.wait()
@@ -445,7 +443,7 @@ def main() -> None:
     if args.cpu_dry_run:
         global DEVICE
         DEVICE = "cpu"
-        for name, fn in [("fused adam", lambda: check_fused_adam(None)),
+        for _name, fn in [("fused adam", lambda: check_fused_adam(None)),
                          ("mixed adam", check_mixed_adam),
                          ("flatten", lambda: check_flatten(None)), ("quantize", check_quantize),
                          ("training", check_training)]:
@@ -467,7 +465,7 @@ def main() -> None:
                      ("training", check_training)]:
         try:
             fn()
-        except Exception as err:  # report and go on: one broken part must not hide the rest
+        except Exception as err:  # noqa: BLE001 - one broken part must not hide the rest
             import traceback
             traceback.print_exc()
             check(f"{name} (raised)", False, repr(err))

@@ -35,7 +35,6 @@ import torch
 import torch.nn as nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
 from benchmarks.compare import _engine_step, loopback_tx_bytes, rss_now, rss_peak  # noqa: E402
 from zeroengine.testing import run_ranks  # noqa: E402
 

@@ -38,7 +38,6 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
 from zeroengine.examples.gpt import GPT, GPTConfig  # noqa: E402
 from zeroengine.testing import run_ranks  # noqa: E402
 

@@ -19,7 +19,6 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
 
 
 def fio_bandwidth(path: str, rw: str, size: int, bs: int, depth: int, engine: str) -> float:

@@ -65,7 +65,6 @@ def link_bytes(interface: str) -> tuple[int, int]:
 
 def build(variant: str, precision: str, size: str, micro: int):
     import torch
-    sys.path.insert(0, HERE)
     from compare import LR, SIZES, plain_step
 
     from zeroengine.examples.gpt import GPT

@@ -13,7 +13,8 @@ files too, read through a small cache as the modules gather it). Memory is cappe
 The model states per rank (fp32 master, moments and bf16 parameter shard) are reported next to
 the cap; the target is >= 1.5x. Each step's time is split into compute (forward + backward,
 with their communication and their waits for parameter reads), disk (time the optimizer step
-waited for the drive), CPU Adam and the rest of the step. The job then saves a checkpoint, still under the cap (unless
+waited for the drive), CPU Adam and the rest of the step. The job then saves a checkpoint, still
+under the cap (unless
 --no-checkpoint). Then, unless --no-compare, the same model with offload_optimizer and
 offload_param 'cpu' (states in host memory) runs two steps without a cap, and its peak RSS is
 what the job would need without NVMe.
@@ -197,7 +198,9 @@ def launch(args, device: str, cgroup: str | None) -> list[dict]:
         if device == "nvme" and not args.no_checkpoint:
             cmd += ["--checkpoint", os.path.join(args.nvme_path, "demo_checkpoint")]
 
-        def enter(cg=cgroup, failed=os.path.join(args.workdir, "cgroup_refused")):
+        refused_marker = os.path.join(args.workdir, "cgroup_refused")
+
+        def enter(cg=cgroup, failed=refused_marker):
             if cg:  # before exec: the rank's every byte is charged to the cgroup
                 try:
                     with open(os.path.join(cg, "cgroup.procs"), "w") as f:
@@ -330,8 +333,9 @@ def print_summary(s: dict) -> None:
     if "without_nvme_peak_rss_per_rank_gb" in s:
         peaks = s["without_nvme_peak_rss_per_rank_gb"]
         w = s["without_nvme_step"]
-        print(f"\nwithout NVMe (offload_optimizer and offload_param cpu, no cap): peak RSS per rank "
-              f"{', '.join(f'{p:.2f}' for p in peaks)} GB = {max(peaks) / s['cap_per_rank_gb']:.2f}x "
+        listed = ", ".join(f"{p:.2f}" for p in peaks)
+        print(f"\nwithout NVMe (offload_optimizer and offload_param cpu, no cap): peak RSS per "
+              f"rank {listed} GB = {max(peaks) / s['cap_per_rank_gb']:.2f}x "
               f"the cap; step {w['step_s']:.2f} s (Adam {w['adam_s']:.2f}), compute "
               f"{w['compute_s']:.2f} s")
 

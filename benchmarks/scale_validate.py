@@ -15,14 +15,11 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
 from compare import loopback_tx_bytes  # noqa: E402
 
 from zeroengine.examples.gpt import GPT, GPTConfig  # noqa: E402

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
 import sys
@@ -20,9 +19,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from zeroengine.examples.gpt import GPT, GPTConfig, num_params  # noqa: E402
-from zeroengine.testing import run_ranks  # noqa: E402
+from zeroengine.examples.gpt import GPT, GPTConfig, num_params
+from zeroengine.testing import run_ranks
 
 VARIANTS = ["ddp", "ddp-fused", "zero0", "zero1", "zero2", "zero3", "zero2-offload",
             "zero3-offload"]

@@ -1,14 +1,9 @@
 """Shared by every test module. The model, its data and the single-process references live in
-models.py (importable here and in the ranks run_ranks spawns, since tests/ is on sys.path);
-this file holds what ties a multi-rank run to its cases."""
+harness.py (importable here and in the ranks run_ranks spawns: pyproject.toml puts tests/ on
+sys.path); this file holds what ties a multi-rank run to its cases."""
 from __future__ import annotations
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from zeroengine.testing import run_ranks  # noqa: E402
+from zeroengine.testing import run_ranks
 
 
 def train_on_ranks(world: int, train, cases: list) -> dict[int, tuple]:
@@ -67,7 +62,7 @@ def _starts_processes(func, module, depth: int = 2, seen=None) -> bool:
     for name in _names_called(func):
         helper = getattr(module, name, None)
         if callable(helper) and getattr(helper, "__module__", None) in (
-                module.__name__, "models", "conftest") and \
+                module.__name__, "harness", "conftest") and \
                 _starts_processes(helper, module, depth - 1, seen):
             return True
     return False

@@ -10,11 +10,9 @@ import os
 import sys
 
 import torch
+from harness import make_model, make_optimizer, param_groups, run_step
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import make_model, make_optimizer, param_groups, run_step  # noqa: E402
-
-import zeroengine  # noqa: E402
+import zeroengine
 
 
 def main(ckpt_dir: str, out: str, steps: int, kill_at: int) -> None:

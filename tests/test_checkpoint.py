@@ -10,9 +10,8 @@ import sys
 
 import pytest
 import torch
-from models import (
-    batch,
-    loss_fn,
+from harness import (
+    checkpoint_reference,
     make_model,
     make_optimizer,
     max_relative_error,
@@ -21,8 +20,8 @@ from models import (
 )
 
 import zeroengine
+from zeroengine import CheckpointError
 from zeroengine.checkpoint import format as fmt
-from zeroengine.checkpoint.format import CheckpointError
 from zeroengine.testing import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -80,24 +79,6 @@ def resume_runs(cases, root, clients):
     return out
 
 
-def reference(worlds: list[int]) -> dict:
-    """Single-process AdamW where step i averages the batches of worlds[i] ranks."""
-    model = make_model()
-    opt = make_optimizer("adamw", param_groups(model))
-    sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.9)
-    for p in model.parameters():
-        if p.requires_grad:
-            p.grad = torch.zeros_like(p)
-    for step, world in enumerate(worlds):
-        opt.zero_grad(set_to_none=False)
-        for rank in range(world):
-            tokens, targets = batch(step, 0, rank)
-            (loss_fn(model(tokens), targets) / world).backward()
-        opt.step()
-        sched.step()
-    return {k: v.detach().clone().float() for k, v in model.state_dict().items()}
-
-
 # (saved world, stage, offload) -> (loaded world, stage, offload): every world size 1-4 and
 # every stage on both sides, offload on either side.
 PAIRS = [((1, 0, False), (2, 3, False)), ((2, 1, False), (3, 3, True)),
@@ -139,8 +120,8 @@ def test_resharded_training_continues_exactly(resharded, pair):
     saved, resumed = resharded
     i = PAIRS.index(pair)
     (n, _, _), (m, _, _) = pair
-    expected = reference([n] * SAVE_AT + [m] * (STEPS - SAVE_AT))
-    err, where = max_relative_error(saved[i], reference([n] * SAVE_AT))
+    expected = checkpoint_reference([n] * SAVE_AT + [m] * (STEPS - SAVE_AT))
+    err, where = max_relative_error(saved[i], checkpoint_reference([n] * SAVE_AT))
     assert err <= 1e-6, f"before saving: {err:.2e} at {where}"
     err, where = max_relative_error(resumed[i], expected)
     assert err <= 1e-6, f"after resuming at {m} ranks: {err:.2e} at {where}"

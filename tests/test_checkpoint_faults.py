@@ -19,12 +19,11 @@ import time
 
 import pytest
 import torch
-from models import make_model, make_optimizer, param_groups, run_step
+from harness import make_model, make_optimizer, param_groups, run_step
 
 import zeroengine
+from zeroengine import CheckpointError, ConfigError
 from zeroengine.checkpoint import format as fmt
-from zeroengine.checkpoint.format import CheckpointError
-from zeroengine.config import ConfigError
 from zeroengine.testing import run_ranks
 
 STAGES = [1, 2, 3]
@@ -352,7 +351,8 @@ def test_checkpoints_with_sha256_checksums_still_load(tmp_path, single):
         meta = json.load(f)
     meta.pop("meta_sha256")
     del meta["checksum"], meta["file_bytes"]
-    meta["files"] = {name: fmt.file_checksum(os.path.join(path, name), "sha256") for name in meta["files"]}
+    meta["files"] = {name: fmt.file_checksum(os.path.join(path, name), "sha256")
+                     for name in meta["files"]}
     with open(meta_path, "w") as f:
         json.dump(fmt.seal(meta), f)
     expected = held(engine)

@@ -11,7 +11,8 @@ N = 7  # elements per rank's chunk
 
 
 def collectives(mode: str):
-    from zeroengine.dist.comm import Comm, init_distributed
+    from zeroengine.distributed.bootstrap import init_distributed
+    from zeroengine.distributed.comm import Comm
     init_distributed()
     comm = Comm()
     comm._p2p_reduce_scatter = mode == "p2p"
@@ -53,7 +54,7 @@ def test_collectives_native_and_fallback(mode):
 
 
 def test_single_process_collectives_are_local():
-    from zeroengine.dist.comm import Comm
+    from zeroengine.distributed.comm import Comm
     comm = Comm()
     assert comm.world_size == 1
     out = torch.empty(4)

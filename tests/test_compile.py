@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.utils.checkpoint
-from models import (
+from harness import (
+    TOLERANCE,
     AwkwardNet,
     batch,
     loss_fn,
@@ -14,9 +15,10 @@ from models import (
     make_optimizer,
     max_relative_error,
     param_groups,
+    precision_config,
     reference_train,
+    relative_deviation,
 )
-from test_precision import TOLERANCE, precision_config, relative_deviation
 
 import zeroengine
 from zeroengine.testing import run_ranks
@@ -145,7 +147,7 @@ def test_compiled_autograd_is_refused_by_name():
 
 
 def test_deepspeed_compile_sections():
-    from zeroengine.config import ConfigError
+    from zeroengine import ConfigError
     assert zeroengine.parse_config({"compile": {"disable": False}}).compile.on
     assert not zeroengine.parse_config({"compile": {"disable": True, "enabled": True}}).compile.on
     assert zeroengine.parse_config({"compile": {"enabled": True, "backend": "aot_eager",
@@ -285,7 +287,7 @@ def tiny():
 @pytest.mark.parametrize("backend,close", [("", None), ("nope", None),
                                            ("inductor ", "inductor"), ("aot_eagr", "aot_eager")])
 def test_unknown_backend_is_a_config_error_naming_it(backend, close):
-    from zeroengine.config import ConfigError
+    from zeroengine import ConfigError
     with pytest.raises(ConfigError) as info:
         zeroengine.initialize(tiny(), {"compile": {"enabled": True, "backend": backend}})
     message = str(info.value)
@@ -304,7 +306,7 @@ def test_unknown_backend_is_a_config_error_naming_it(backend, close):
     ({"backend": "eager"}, "compile.backend"),
 ])
 def test_unknown_compile_arguments_are_config_errors_naming_the_key(kwargs, named):
-    from zeroengine.config import ConfigError
+    from zeroengine import ConfigError
     with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
         zeroengine.initialize(tiny(), {"compile": {"enabled": True, "kwargs": kwargs}})
 

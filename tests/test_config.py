@@ -12,10 +12,11 @@ from hypothesis import strategies as st
 from hypothesis_profiles import examples
 
 import zeroengine
-from zeroengine.config import ConfigError, parse_config, resolve_auto
+from zeroengine import ConfigError
+from zeroengine.config import parse_config, resolve_auto
 from zeroengine.config_reference import reference_markdown
 from zeroengine.core.optimizer_factory import optimizer_from_config
-from zeroengine.core.schedulers import WarmupLR, scheduler_from_config
+from zeroengine.core.schedulers import scheduler_from_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

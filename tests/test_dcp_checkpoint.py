@@ -10,9 +10,9 @@ import shutil
 
 import pytest
 import torch
+from harness import global_batch, load_refused, loss_fn, make_model
 from hypothesis import given
 from hypothesis import strategies as st
-from models import global_batch, load_refused, loss_fn, make_model
 
 import zeroengine
 from zeroengine.checkpoint.dcp_save import rectangles

@@ -17,8 +17,7 @@ import torch
 import torch.nn as nn
 
 import zeroengine.deepspeed as deepspeed
-from zeroengine.config import ConfigError
-from zeroengine.deepspeed import NotInZeroengine
+from zeroengine import ConfigError, NotInZeroengine
 from zeroengine.testing import run_ranks
 from zeroengine.tools import launch as launcher
 

@@ -9,7 +9,7 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-from models import batch, loss_fn, make_model, make_optimizer, max_relative_error, param_groups
+from harness import batch, loss_fn, make_model, make_optimizer, max_relative_error, param_groups
 
 from zeroengine.testing import run_ranks
 
@@ -202,8 +202,7 @@ def test_batchnorm_and_lstm_follow_ddp_buffer_semantics(stage):
 # -- parameters replaced after initialize ----------------------------------------------------------
 def replaced(how: str):
     import zeroengine
-    from zeroengine.core.drop_in import ParameterReplacedError
-    from zeroengine.core.sharded_param import ShardedParameterAccessError
+    from zeroengine import ParameterReplacedError, ShardedParameterAccessError
     model = make_model(0)
     opt = make_optimizer("adamw", param_groups(model))
     engine = zeroengine.initialize(model, {"zero_optimization": {
@@ -264,12 +263,12 @@ def test_outer_ddp_wrapper_is_refused():
         assert "without DDP" in message
 
 
-# -- stage 3 outside forward ------------------------------------------------------------------------
+# -- stage 3 outside forward -----------------------------------------------------------------------
 def stage3_reads(_):
     import copy
 
     import zeroengine
-    from zeroengine.core.sharded_param import ShardedParameterAccessError
+    from zeroengine import ShardedParameterAccessError
     model = make_model(0)
     opt = make_optimizer("adamw", param_groups(model))
     engine = zeroengine.initialize(model, {"zero_optimization": {
@@ -373,12 +372,12 @@ def test_multihead_attention_at_stage3_without_annotation(unit):
         assert err <= 1e-5, f"rank {rank}: {err:.2e} at {where}"
 
 
-# -- rank-divergent work at stage 3 -----------------------------------------------------------------
+# -- rank-divergent work at stage 3 ----------------------------------------------------------------
 def diverge(pattern: str):
     import time
 
     import zeroengine
-    from zeroengine.core.param_fetcher import RankDivergenceError
+    from zeroengine import RankDivergenceError
     model = make_model(0)
     opt = make_optimizer("adamw", param_groups(model))
     engine = zeroengine.initialize(model, {"zero_optimization": {
@@ -436,7 +435,7 @@ class MoENet(torch.nn.Module):
 
 def moe_loop(leaf: bool):
     import zeroengine
-    from zeroengine.core.param_fetcher import RankDivergenceError
+    from zeroengine import RankDivergenceError
     torch.manual_seed(0)
     model = MoENet()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -480,7 +479,7 @@ def test_stage3_says_when_the_persistence_threshold_keeps_the_model_whole(monkey
         zeroengine.initialize(make_model(0), config).close()
 
 
-# -- nanoGPT's train.py loop, two lines changed ------------------------------------------------------
+# -- nanoGPT's train.py loop, two lines changed ----------------------------------------------------
 def nano_model():
     from zeroengine.examples.gpt import GPT, GPTConfig
     torch.manual_seed(0)
@@ -578,3 +577,64 @@ def test_engine_no_sync_accumulates_like_ddp_no_sync():
     """DDP code's `with model.no_sync():` for all but the last micro-step becomes
     `with engine.no_sync():` and gives the same numbers, with or without clipping."""
     _check(run_ranks(2, plain_loop, NO_SYNC_CASES), NO_SYNC_CASES, 2)
+
+
+# -- the clip_grad_norm_ redirect lives with the engines (issue 38) -------------------------------
+def clip_redirect_lifetime(_):
+    import torch.nn.utils as utils
+
+    import zeroengine
+    from zeroengine.core import drop_in, registry
+    torch_fn = drop_in._torch_clip_grad_norm_
+    seen = {"import changes nothing": utils.clip_grad_norm_ is torch_fn}
+    early = utils.clip_grad_norm_  # `from torch.nn.utils import clip_grad_norm_` at the top
+    cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": 2}}
+    first = zeroengine.initialize(make_model(0), cfg)
+    second = zeroengine.initialize(make_model(1), cfg)
+    seen["installed by the first engine"] = utils.clip_grad_norm_ is drop_in.clip_grad_norm_
+    tokens, targets = batch(0, 0, 0)
+    first.backward(loss_fn(first(tokens), targets))
+    try:
+        early(first.module.parameters(), 1.0)
+        seen["early-bound copy refused"] = False
+    except RuntimeError as err:
+        seen["early-bound copy refused"] = "binds torch's own" in str(err)
+    first.close()
+    seen["kept while one engine is open"] = utils.clip_grad_norm_ is drop_in.clip_grad_norm_
+    second.close()
+    seen["torch's back after the last close"] = utils.clip_grad_norm_ is torch_fn and \
+        torch.nn.utils.clip_grad._clip_grads_with_norm_ is drop_in._torch_clip_grads_with_norm_
+    seen["registry empty"] = registry.held_count("optimizer") == 0 and \
+        registry.held_count("whole") == 0
+    return seen
+
+
+def test_clip_grad_norm_redirect_is_installed_by_the_first_engine_and_removed_by_the_last():
+    seen = run_ranks(1, clip_redirect_lifetime, None)[0]
+    assert all(seen.values()), seen
+
+
+def test_registry_is_keyed_by_the_parameter_and_holds_nothing_alive():
+    import gc
+
+    from zeroengine.core import registry
+
+    class Holder:
+        pass
+    a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3))  # equal values
+    first, second = Holder(), Holder()
+    registry.hold(a, optimizer=first)
+    registry.hold(b, optimizer=second, fetcher=first)
+    assert registry.held_by(a, "optimizer") is first and registry.held_by(b, "optimizer") is second
+    assert registry.held_by(a, "fetcher") is None
+    registry.let_go(b, "optimizer")
+    assert registry.held_by(b, "optimizer") is None and registry.held_by(b, "fetcher") is first
+    del first
+    gc.collect()
+    assert registry.held_by(a, "optimizer") is None  # the holder went: no entry keeps it alive
+    before = len(registry._HOLDERS)
+    del b
+    gc.collect()
+    assert len(registry._HOLDERS) == before - 1  # the parameter went: its entry with it
+    registry.let_go(a, "optimizer")

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from models import global_batch, load_refused, loss_fn, make_model
+from harness import global_batch, load_refused, loss_fn, make_model
 
 from zeroengine.testing import run_ranks
 

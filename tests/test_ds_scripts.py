@@ -71,7 +71,7 @@ def launch(script: str, args: list[str], cwd: str, engine: str, timeout: int = 6
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
            "PROBE_ENGINE": engine, "PYTHONPATH": os.pathsep.join(
                [os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]), **(env or {})}
-    for attempt in range(2):  # a port taken between free_port() and torchrun's bind: retry
+    for _attempt in range(2):  # a port taken between free_port() and torchrun's bind: retry
         cmd = [sys.executable, "-m", "zeroengine.tools.launch", "--num_gpus", "2",
                "--master_port", str(free_port()), script, *args]
         done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
@@ -83,7 +83,8 @@ def launch(script: str, args: list[str], cwd: str, engine: str, timeout: int = 6
         assert done.returncode != 0, f"{engine} run was expected to fail:\n{output[-3000:]}"
     elif done.returncode != 0 and TEARDOWN_ABORT in output and result is not None and \
             _complete_json(result):
-        warnings.warn(f"{engine}: a rank aborted in gloo's teardown after the run completed")
+        warnings.warn(f"{engine}: a rank aborted in gloo's teardown after the run completed",
+                      stacklevel=2)
     else:
         assert done.returncode == 0, f"{engine} run failed:\n{output[-6000:]}"
     return output

@@ -6,8 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import make_model, reference_train
-from test_precision import STEPS, TOLERANCE, relative_deviation, train
+from harness import (
+    PRECISION_STEPS,
+    TOLERANCE,
+    make_model,
+    reference_train,
+    relative_deviation,
+    train_precision_cases,
+)
 
 from zeroengine.ops import FusedAdam
 from zeroengine.testing import run_ranks
@@ -107,12 +113,12 @@ def train_with_fused_step(cases):
                          weight_decay=d["weight_decay"], adamw_mode=cpu_adam_mode(base),
                          use_cuda_kernels=False)
     engine_optim.build_device_inner = fused_inner
-    return train(cases)
+    return train_precision_cases(cases)
 
 
 def test_engine_fused_step_matches_plain_pytorch():
     results = run_ranks(2, train_with_fused_step, CASES)
-    reference = reference_train("adamw", 2, STEPS, 2, 1.0)
+    reference = reference_train("adamw", 2, PRECISION_STEPS, 2, 1.0)
     initial = {k: v.float() for k, v in make_model().state_dict().items()}
     for i, (name, stage, _, _) in enumerate(CASES):
         for rank in range(2):
@@ -126,8 +132,7 @@ def test_engine_fused_step_matches_plain_pytorch():
 def resume_across_optimizers(root: str, stage: int):
     """2 steps with the fused inner optimizer (what a GPU run has), checkpoint, then 2 more in
     an engine with torch's AdamW inside (what a CPU run has): the state carries over."""
-    from models import make_optimizer, param_groups, run_step
-    from test_precision import precision_config
+    from harness import make_optimizer, param_groups, precision_config, run_step
 
     import zeroengine
     import zeroengine.core.sharded_optimizer as engine_optim
@@ -149,7 +154,7 @@ def resume_across_optimizers(root: str, stage: int):
     second = engine_with(original)
     assert type(second.optimizer.inner).__name__ == "AdamW"
     second.load_checkpoint(root)
-    for step in range(2, STEPS):
+    for step in range(2, PRECISION_STEPS):
         run_step(second, step, 2)
     state = second.consolidated_state_dict()
     second.close()
@@ -159,7 +164,7 @@ def resume_across_optimizers(root: str, stage: int):
 @pytest.mark.parametrize("stage", [1, 3])
 def test_checkpoint_moves_between_fused_and_torch_adam(tmp_path, stage):
     results = run_ranks(2, resume_across_optimizers, str(tmp_path), stage)
-    reference = reference_train("adamw", 2, STEPS, 2, 1.0)
+    reference = reference_train("adamw", 2, PRECISION_STEPS, 2, 1.0)
     initial = {k: v.float() for k, v in make_model().state_dict().items()}
     for state in results:
         assert relative_deviation(state, reference, initial) < 1e-5

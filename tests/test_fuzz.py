@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from hypothesis_profiles import examples
 
-from zeroengine.checkpoint.sharded import CheckpointError
-from zeroengine.config import Config, ConfigError, _unwrap_optional, parse_config
+from zeroengine import CheckpointError, ConfigError
+from zeroengine.config import Config, _unwrap_optional, parse_config
 from zeroengine.testing import run_ranks
 
 

@@ -10,7 +10,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="the optional `hf` extra is not "
                                    "installed (pip install 'zeroengine[hf]')")
 
-from models import max_relative_error  # noqa: E402
+from harness import max_relative_error  # noqa: E402
 
 import zeroengine  # noqa: E402
 from zeroengine.testing import run_ranks  # noqa: E402

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from zeroengine.checkpoint.hf_export import plan_files  # noqa: E402
-from zeroengine.checkpoint.weight_files import WeightFiles  # noqa: E402
-from zeroengine.testing import run_ranks  # noqa: E402
+from zeroengine.checkpoint.hf_export import plan_files
+from zeroengine.checkpoint.weight_files import WeightFiles
+from zeroengine.testing import run_ranks
 
 VOCAB = 64
 

@@ -12,11 +12,17 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from transformers import (AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel,  # noqa: E402
-                          LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification,
-                          LlamaModel)
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaForSequenceClassification,
+    LlamaModel,
+)
 
-from zeroengine.testing import run_ranks  # noqa: E402
+from zeroengine.testing import run_ranks
 
 VOCAB = 64
 

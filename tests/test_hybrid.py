@@ -7,10 +7,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import make_model, max_relative_error, reference_train, train_engine
-from test_precision import TOLERANCE, relative_deviation
+from harness import (
+    TOLERANCE,
+    make_model,
+    max_relative_error,
+    reference_train,
+    relative_deviation,
+    train_engine,
+)
 
-from zeroengine.dist.topology import ranks_per_node, resolve_shard_size
+from zeroengine.distributed.topology import ranks_per_node, resolve_shard_size
 from zeroengine.testing import run_ranks
 
 STEPS, ACCUMULATION, CLIP = 3, 2, 0.5
@@ -36,7 +42,7 @@ def hybrid_cases(cases):
             os.environ["LOCAL_RANK"] = str(int(os.environ["RANK"]) % 2)
         engine, losses = train_engine(cfg, optimizer, STEPS - 1, ACCUMULATION)
         engine.comm_report(reset=True)
-        from models import run_step
+        from harness import run_step
         losses += run_step(engine, STEPS - 1, ACCUMULATION)
         report = engine.comm_report()
         held = sum(fg.layout.shard_numel for fg in engine.flat_groups)
@@ -178,7 +184,7 @@ def test_shard_size_resolution():
 def checkpoint_roundtrip(root: str):
     """hybrid stage 2 -> saved -> loaded by a plain stage 3 run, which saves it again -> loaded
     by a hybrid stage 3 run; each continues to the weights of the run that never stopped."""
-    from models import make_model, make_optimizer, param_groups, run_step
+    from harness import make_model, make_optimizer, param_groups, run_step
 
     import zeroengine
     hybrid, _ = train_engine(config(2), "adamw", 2, ACCUMULATION)

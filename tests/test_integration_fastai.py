@@ -15,13 +15,13 @@ import torch.nn.functional as F
 pytest.importorskip("fastai", reason="the optional `fastai` extra is not installed "
                     "(pip install 'zeroengine[fastai]')")
 
-from models import max_relative_error  # noqa: E402
+from harness import max_relative_error
 
-from zeroengine.testing import run_ranks  # noqa: E402
+from zeroengine.testing import run_ranks
 
 
 def learner():
-    import fastai.callback.progress  # noqa: F401  (Learner.no_bar)
+    import fastai.callback.progress
     import fastai.callback.schedule  # noqa: F401  (Learner.fit_one_cycle)
     from fastai.callback.training import GradientClip
     from fastai.data.core import DataLoaders
@@ -44,7 +44,7 @@ def fit(stage) -> dict:
     """fastai's own distributed training (stage None) or ZeroCallback at ``stage``."""
     import fastai.distributed as fd
 
-    import zeroengine.integrations.fastai  # noqa: F401  (adds Learner.zero_ctx)
+    import zeroengine.integrations.fastai
     learn = learner()
     if stage is None:
         # fastai moves the index broadcast of DistributedDL to CUDA for NCCL; on CPUs (gloo)
@@ -96,7 +96,7 @@ def test_fastai_optimizer_is_refused_by_name():
     from fastai.learner import Learner
     from fastai.optimizer import Adam
 
-    from zeroengine.config import ConfigError
+    from zeroengine import ConfigError
     from zeroengine.integrations.fastai import ZeroCallback
     learn = learner()
     learn = Learner(learn.dls, learn.model, loss_func=F.mse_loss, opt_func=Adam)

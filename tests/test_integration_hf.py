@@ -14,10 +14,9 @@ import torch
 transformers = pytest.importorskip("transformers", reason="the optional `hf` extra is not "
                                    "installed (pip install 'zeroengine[hf]')")
 
-from models import max_relative_error  # noqa: E402
-from test_precision import TOLERANCE  # noqa: E402
+from harness import TOLERANCE, max_relative_error  # noqa: E402 - after the importorskip
 
-from zeroengine.config import ConfigError  # noqa: E402
+from zeroengine import ConfigError  # noqa: E402
 from zeroengine.testing import run_ranks  # noqa: E402
 
 VOCAB, STEPS = 64, 5

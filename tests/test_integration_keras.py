@@ -8,12 +8,12 @@ import os
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
-import pytest  # noqa: E402
+import pytest
 
 keras = pytest.importorskip("keras", reason="the optional `keras` extra is not installed "
                             "(pip install 'zeroengine[keras]')")
 
-from models import max_relative_error  # noqa: E402
+from harness import max_relative_error  # noqa: E402
 
 from zeroengine.testing import run_ranks  # noqa: E402
 

@@ -16,8 +16,7 @@ import torch.nn.functional as F
 L = pytest.importorskip("lightning.pytorch", reason="the optional `lightning` extra is not "
                         "installed (pip install 'zeroengine[lightning]')")
 
-from models import max_relative_error  # noqa: E402
-from test_precision import TOLERANCE  # noqa: E402
+from harness import TOLERANCE, max_relative_error  # noqa: E402 - after the importorskip
 
 from zeroengine.testing import run_ranks  # noqa: E402
 
@@ -220,7 +219,7 @@ def test_registered_names_configure_model_and_checkpoints(tmp_path):
 
 
 def test_conflicting_flags_stop_before_training():
-    from zeroengine.config import ConfigError
+    from zeroengine import ConfigError
     from zeroengine.integrations.lightning import ZeroStrategy
     strategy = ZeroStrategy(stage=2, config={"gradient_accumulation_steps": 4,
                                              "gradient_clipping": 1.0})
@@ -241,7 +240,8 @@ def test_conflicting_flags_stop_before_training():
 
 def test_offload_arguments_are_deepspeed_strategys():
     """Lightning's DeepSpeedStrategy offload arguments, NVMe included, become the config."""
-    from zeroengine.config import ConfigError, parse_config
+    from zeroengine import ConfigError
+    from zeroengine.config import parse_config
     from zeroengine.integrations.lightning import ZeroStrategy
     strategy = ZeroStrategy(stage=3, offload_optimizer=True, offload_parameters=True,
                             offload_optimizer_device="nvme", offload_params_device="nvme",

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from zeroengine.dist.launch_env import (
+from zeroengine.distributed.launch_env import (
     first_slurm_host,
     pytorchjob_procs_per_pod,
     pytorchjob_torchrun_args,
@@ -99,7 +99,7 @@ def test_pytorchjob_one_process_per_pod_uses_rank_as_is():
 def test_interface_towards_a_host():
     """Loopback and unresolvable hosts name no interface; a routable one names the interface
     that carries this machine's address on that route."""
-    from zeroengine.dist.netif import interface_towards, ipv4_of
+    from zeroengine.distributed.netif import interface_towards, ipv4_of
     assert interface_towards("127.0.0.1") is None and interface_towards("no-such-host.invalid") \
         is None
     assert ipv4_of("lo") == "127.0.0.1"

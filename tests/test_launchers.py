@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 import torch
-from models import max_relative_error, reference_train
+from harness import max_relative_error, reference_train
 
 from zeroengine.testing import free_port
 
@@ -120,10 +120,10 @@ def test_openmpi_mpirun_environment(tmp_path):
 def test_pytorchjob_pod_with_two_processes_runs_the_job(tmp_path):
     """A one-pod PyTorchJob with nprocPerNode 2: RANK is the pod index (0), so `zeroengine
     train` starts the pod's two ranks through torchrun from the PET_* variables."""
-    from test_train_job import TINY
+    from harness import TINY_JOB
     port = free_port()
     config = tmp_path / "tiny.json"
-    config.write_text(json.dumps({**TINY, "job": {**TINY["job"], "steps": 2}}))
+    config.write_text(json.dumps({**TINY_JOB, "job": {**TINY_JOB["job"], "steps": 2}}))
     env = clean_env(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                     PET_NPROC_PER_NODE="2", PET_NNODES="1", PET_NODE_RANK="0",
                     PET_MASTER_ADDR="127.0.0.1", PET_MASTER_PORT=str(port))

@@ -6,8 +6,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hypothesis_profiles import examples
 
+from zeroengine import LossScaleFloorError
 from zeroengine.config import parse_config
-from zeroengine.core.precision import LossScaleFloorError, LossScaler
+from zeroengine.core.precision import LossScaler
 
 
 def dynamic(**kw):

@@ -8,10 +8,11 @@ import os
 
 import pytest
 import torch
-from models import train_engine
+from harness import train_engine
 
 import zeroengine
-from zeroengine.config import ConfigError, parse_config
+from zeroengine import ConfigError
+from zeroengine.config import parse_config
 from zeroengine.core.master_bits import join_master, split_master
 from zeroengine.core.precision import OptimizerPrecision
 from zeroengine.testing import run_ranks

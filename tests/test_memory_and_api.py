@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from models import (
+from harness import (
     batch,
     loss_fn,
     make_model,

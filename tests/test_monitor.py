@@ -53,7 +53,7 @@ def test_monitor_sections_write_deepspeed_events(single_process, tmp_path, monke
                                                           config_policy.ConfigNotice)]
     assert any("wandb package is not installed" in m for m in said), said
     losses, lrs = [], []
-    for step in range(3):
+    for _step in range(3):
         micro = []
         for _ in range(2):
             x = torch.randn(2, 4)

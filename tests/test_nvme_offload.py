@@ -11,7 +11,8 @@ import sys
 
 import pytest
 import torch
-from models import (
+from harness import (
+    checkpoint_reference,
     make_model,
     make_optimizer,
     max_relative_error,
@@ -19,10 +20,9 @@ from models import (
     run_step,
     train_engine,
 )
-from test_checkpoint import reference
 
 import zeroengine
-from zeroengine.config import ConfigError
+from zeroengine import ConfigError
 from zeroengine.core.swap_files import ROOT_NAME
 from zeroengine.testing import run_ranks
 
@@ -211,10 +211,10 @@ RESHARDS = [((2, 2, "nvme"), (1, 1, "cpu")), ((2, 1, "cpu"), (2, 3, "nvme")),
 def test_nvme_checkpoints_reshard_both_ways(tmp_path, pair):
     (n, s, d), (m, t, e) = pair
     saved = run_ranks(n, save_nvme, str(tmp_path), s, d)[0]
-    err, where = max_relative_error(saved, reference([n] * SAVE_AT))
+    err, where = max_relative_error(saved, checkpoint_reference([n] * SAVE_AT))
     assert err <= 1e-6, f"before saving: {err:.2e} at {where}"
     resumed = run_ranks(m, resume, str(tmp_path), t, e, 4)[0]
-    err, where = max_relative_error(resumed, reference([n] * SAVE_AT + [m] * 2))
+    err, where = max_relative_error(resumed, checkpoint_reference([n] * SAVE_AT + [m] * 2))
     assert err <= 1e-6, f"after resuming: {err:.2e} at {where}"
     # and the checkpoint consolidates like any other
     out = tmp_path / "out"
@@ -283,7 +283,7 @@ def test_nvme_checkpoints_stream_a_tile_at_a_time(tmp_path):
     before, loaded, after = run_ranks(2, save_and_load_in_tiles, str(tmp_path))[0]
     err, where = max_relative_error(loaded, before)
     assert err == 0.0, f"{err:.2e} at {where}"
-    err, where = max_relative_error(after, reference([2] * 4))
+    err, where = max_relative_error(after, checkpoint_reference([2] * 4))
     assert err <= 1e-6, f"{err:.2e} at {where}"
 
 
@@ -337,10 +337,11 @@ def test_a_killed_run_leaves_nothing_the_next_start_keeps(tmp_path):
     """A run killed with SIGKILL cannot remove its swap files; the next start on the same
     nvme_path does (its owner is gone), and never reads them: swap files are scratch."""
     proc = subprocess.run([sys.executable, "-c", (
-        "import sys; sys.path.insert(0, 'tests'); import test_nvme_offload as t; "
+        "import test_nvme_offload as t; "
         f"from zeroengine.testing import run_ranks; t.start_and_die({str(tmp_path)!r})")],
         cwd=ROOT, capture_output=True, text=True, env=dict(
-            os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+            os.environ, PYTHONPATH=os.path.join(ROOT, "tests"), RANK="0", WORLD_SIZE="1",
+            LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(free_port())), timeout=300)
     assert proc.returncode == -9, proc.stderr[-2000:]
     left = open(tmp_path / "swap_dir").read().split("\n")

@@ -8,13 +8,13 @@ import os
 
 import pytest
 import torch
+from harness import max_relative_error, train_engine
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis_profiles import examples
-from models import max_relative_error, train_engine
 
 import zeroengine
-from zeroengine.config import ConfigError
+from zeroengine import ConfigError
 from zeroengine.core.param_swap import ParamSwap
 from zeroengine.core.swap_files import ROOT_NAME, SwapDir
 from zeroengine.ops.aio import AsyncFileIO

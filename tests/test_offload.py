@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import train_on_ranks
-from models import make_model, make_optimizer, max_relative_error, param_groups, train_engine
+from harness import make_model, make_optimizer, max_relative_error, param_groups, train_engine
 
 import zeroengine
-from zeroengine.config import ConfigError
+from zeroengine import ConfigError
 from zeroengine.core.optimizer_factory import cpu_adam_mode
 from zeroengine.testing import run_ranks
 
@@ -109,7 +109,7 @@ def test_gradients_reach_the_host_during_backward():
     model = make_model()
     engine = zeroengine.initialize(model, offload_config(2, "bf16", True, False),
                                    optimizer=make_optimizer("adamw", param_groups(model)))
-    from models import batch, loss_fn
+    from harness import batch, loss_fn
     tokens, targets = batch(0, 0, 0)
     engine.backward(loss_fn(engine(tokens), targets))
     engine.step()

@@ -2,40 +2,24 @@
 the ZeRO paper, and dynamic loss scaling decided identically on every rank."""
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn as nn
-from models import (
+from harness import (
+    PRECISION_STEPS,
+    TOLERANCE,
     batch,
     loss_fn,
     make_model,
     make_optimizer,
     param_groups,
+    precision_config,
     reference_train,
-    train_engine,
+    relative_deviation,
+    train_precision_cases,
 )
 
 from zeroengine.testing import run_ranks
-
-STEPS = 4
-
-
-def precision_config(name: str, stage: int, clip: float = 1.0, **fp16) -> dict:
-    cfg = {"gradient_accumulation_steps": 2, "gradient_clipping": clip,
-           "zero_optimization": {"stage": stage, "reduce_bucket_size": 40,
-                                 "stage3_param_persistence_threshold": 0}}
-    if name.startswith("bf16"):
-        cfg["bf16"] = {"enabled": True}
-    if name.startswith("fp16"):
-        cfg["fp16"] = {"enabled": True, "initial_scale_power": 10, **fp16}
-    if name.endswith("-fp32reduce"):
-        cfg["communication_data_type"] = "fp32"
-    if name == "fp16-static":
-        cfg["fp16"]["loss_scale"] = 512
-    return cfg
-
 
 # (precision, stage, optimizer, clip). Adam is blind to a constant gradient scale and clipping
 # normalises it away, so SGD without clipping is what catches a missing or doubled unscale.
@@ -43,49 +27,15 @@ CASES = [(p, s, "adamw", 1.0) for p in ("bf16", "fp16", "bf16-fp32reduce", "fp16
          for s in (0, 1, 2, 3)] + [(p, s, "sgd", 0.0) for p in ("bf16", "fp16") for s in (0, 3)]
 
 
-def train(cases, drop_in=False):
-    out = []
-    for name, stage, opt, clip in cases:
-        scales = []
-        engine, _ = train_engine(precision_config(name, stage, clip), opt, STEPS, 2, drop_in,
-                                 each_step=lambda e: scales.append(e.loss_scale))
-        dtypes = {str(p.dtype) for p in engine.module.parameters()}
-        out.append((engine.consolidated_state_dict(), engine.skipped_steps, scales, dtypes))
-        engine.close()
-    return out
-
-
-def relative_deviation(state: dict, reference: dict, initial: dict) -> float:
-    """|p - p_ref| over |p_ref - p_0|, over all trainable tensors: how far the mixed-precision
-    trajectory strays from the fp32 one, relative to how far training moved the weights."""
-    num = den = 0.0
-    for k, ref in reference.items():
-        if k.startswith("frozen") or k == "scale":  # not trained
-            continue
-        num += (state[k] - ref).double().pow(2).sum().item()
-        den += (ref - initial[k]).double().pow(2).sum().item()
-    return math.sqrt(num / den)
-
-
-# Why 0.1: bf16 keeps 8 significant bits (unit roundoff 2^-9) and fp16 11; the matmuls round
-# their inputs, so gradients are off by ~1% (bf16) relative. Adam normalises every element's
-# step, so a 1% gradient error moves the update by ~1% - except where a gradient is within
-# rounding of zero and its sign flips (up to 2 lr). Measured on this model (4 steps, 2 ranks):
-# 0.044 for bf16 and 0.0011 for fp16 at every stage, with either reduce dtype. 0.1 leaves ~2x room
-# for that noise, while a missed or doubled unscale (x1024 in the SGD cases), a stale master or
-# updates lost on one rank's shard give deviations of order 1 or more.
-TOLERANCE = 0.1
-
-
 @pytest.fixture(scope="module")
 def trained():
-    return run_ranks(2, train, CASES)
+    return run_ranks(2, train_precision_cases, CASES)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-stage{c[1]}-{c[2]}")
 def test_tracks_fp32_reference(trained, case):
     index = CASES.index(case)
-    reference = reference_train(case[2], 2, STEPS, 2, case[3])
+    reference = reference_train(case[2], 2, PRECISION_STEPS, 2, case[3])
     initial = {k: v.float() for k, v in make_model().state_dict().items()}
     compute = "torch.float16" if case[0].startswith("fp16") else "torch.bfloat16"
     for rank, per_rank in enumerate(trained):
@@ -95,7 +45,7 @@ def test_tracks_fp32_reference(trained, case):
         deviation = relative_deviation(state, reference, initial)
         assert deviation < TOLERANCE, f"rank {rank}: deviation {deviation:.3f}"
         if case[0] == "fp16-static":
-            assert scales == [512.0] * STEPS
+            assert scales == [512.0] * PRECISION_STEPS
         assert skipped == 0
     # the ranks agree exactly with each other
     for k in trained[0][index][0]:
@@ -103,8 +53,8 @@ def test_tracks_fp32_reference(trained, case):
 
 
 def test_bf16_drop_in_loop_tracks_reference():
-    results = run_ranks(2, train, [("bf16", 2, "adamw", 1.0)], True)
-    reference = reference_train("adamw", 2, STEPS, 2, 1.0)
+    results = run_ranks(2, train_precision_cases, [("bf16", 2, "adamw", 1.0)], True)
+    reference = reference_train("adamw", 2, PRECISION_STEPS, 2, 1.0)
     initial = {k: v.float() for k, v in make_model().state_dict().items()}
     for state, *_ in (r[0] for r in results):
         assert relative_deviation(state, reference, initial) < TOLERANCE

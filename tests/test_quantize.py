@@ -65,8 +65,9 @@ def quantized_collectives():
     all-gather, synchronous, against the exact collectives."""
     import torch.distributed as dist
 
-    from zeroengine.dist.comm import Comm, init_distributed
-    from zeroengine.dist.topology import build_topology
+    from zeroengine.distributed.bootstrap import init_distributed
+    from zeroengine.distributed.comm import Comm
+    from zeroengine.distributed.topology import build_topology
     init_distributed()
     comm = Comm()
     topo = build_topology(comm, comm.world_size, None, 2)

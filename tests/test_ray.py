@@ -4,7 +4,6 @@ where uninterrupted plain single-process training ends. Needs the `ray` extra (C
 from __future__ import annotations
 
 import os
-import sys
 import uuid
 
 import pytest
@@ -17,13 +16,12 @@ from zeroengine.checkpoint.format import META, rank_file  # noqa: E402
 from zeroengine.integrations import ray as zray  # noqa: E402
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, TESTS)
-from models import max_relative_error, reference_train  # noqa: E402
+from harness import max_relative_error, reference_train  # noqa: E402
 
 
 def train_func(config):
     import torch.distributed as dist
-    from models import make_model, make_optimizer, param_groups, run_step
+    from harness import make_model, make_optimizer, param_groups, run_step
 
     import zeroengine
     assert dist.is_initialized()  # Ray built the group; initialize must join it, not rebuild
@@ -44,7 +42,7 @@ def train_func(config):
 
 @pytest.fixture(scope="module")
 def local_ray():
-    # The workers import this module (train_func is pickled by reference) and tests/models.
+    # The workers import this module (train_func is pickled by reference) and tests/harness.py.
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
                  [TESTS, os.environ.get("PYTHONPATH", "")])}})

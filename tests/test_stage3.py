@@ -8,8 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from models import VOCAB, batch, max_relative_error
-from test_precision import TOLERANCE, relative_deviation
+from harness import TOLERANCE, VOCAB, batch, max_relative_error, relative_deviation
 from torch.utils.checkpoint import checkpoint
 
 from zeroengine.testing import run_ranks

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 import torch
-from models import (
+from harness import (
     max_relative_error,
     reference_train,
     train_engine,

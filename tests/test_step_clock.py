@@ -18,7 +18,7 @@ import torch.nn as nn
 from conftest import train_on_ranks
 
 import zeroengine
-from zeroengine.core.step_clock import MixedStepError
+from zeroengine import MixedStepError
 from zeroengine.testing import run_ranks
 
 STEPS = 5

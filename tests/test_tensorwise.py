@@ -6,19 +6,21 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from hypothesis_profiles import examples
-from models import (
+from harness import (
+    TOLERANCE,
     batch,
     fp32_muon,
     loss_fn,
     make_model,
     param_groups,
+    precision_config,
     reference_train,
+    relative_deviation,
     train_engine,
 )
-from test_precision import TOLERANCE, precision_config, relative_deviation
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis_profiles import examples
 
 import zeroengine
 from zeroengine.core.layout import FlatLayout
@@ -340,7 +342,7 @@ def accounting_run():
 
 
 def test_state_and_exchange_bytes_follow_the_partition():
-    for memory, state, expected_state, a2a, sent, received, owned_numel, rank in \
+    for memory, state, expected_state, a2a, sent, received, _owned_numel, _rank in \
             run_ranks(2, accounting_run):
         assert state == expected_state
         assert memory["optimizer_states"] == state  # fp32: the master is the parameters
@@ -375,7 +377,7 @@ def train_then_save(root: str, name: str, stage: int, steps: int):
 
 
 def resume_and_train(root: str, name: str, stage: int, offload: bool, steps: int):
-    from models import run_step
+    from harness import run_step
     with fp32_muon():
         engine, _ = train_engine(ckpt_config(stage, offload), name, 0, 2)
         engine.load_checkpoint(root)
@@ -405,7 +407,7 @@ def test_checkpoint_reshards_and_resumes_exactly(tmp_path, name):
 def resumed_reference(name: str, root_steps: int, world_before: int, world_after: int) -> dict:
     """Single-process: root_steps steps on world_before ranks' batches, then 5 - root_steps
     on world_after ranks' batches (what the resumed engines see)."""
-    from models import make_optimizer as make
+    from harness import make_optimizer as make
     with fp32_muon():
         model = make_model()
         made = make(name, param_groups(model))
@@ -432,7 +434,7 @@ def resumed_reference(name: str, root_steps: int, world_before: int, world_after
 def two_optimizer_loop(engine_side: bool):
     """loss.backward(); muon.step(); adamw.step(); zero_grad both; a StepLR on Muon only. On the
     engine the loop is unchanged (drop-in): the first step() after a backward steps both."""
-    from models import make_optimizer as make
+    from harness import make_optimizer as make
     world = 2
     with fp32_muon():
         model = make_model()

@@ -8,19 +8,13 @@ import subprocess
 import sys
 
 import pytest
+from harness import TINY_JOB
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-TINY = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100},
-        "job": {"run_name": "tiny", "model": {"layers": 1, "heads": 2, "dim": 32, "context": 16},
-                "steps": 4, "eval_interval": 2, "eval_batches": 1, "checkpoint_interval": 2}}
-
-
 def _train(tmp_path, *flags):
     config = tmp_path / "tiny.json"
-    config.write_text(json.dumps(TINY))
+    config.write_text(json.dumps(TINY_JOB))
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.run([sys.executable, "-m", "zeroengine", "train", str(config), "--nproc",

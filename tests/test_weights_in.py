@@ -13,7 +13,8 @@ import torch
 import torch.nn as nn
 from safetensors.torch import save_file
 
-from zeroengine.checkpoint.weight_files import WeightFiles, WeightsError
+from zeroengine import WeightsError
+from zeroengine.checkpoint.weight_files import WeightFiles
 from zeroengine.testing import run_ranks
 
 VOCAB, WIDTH = 37, 24
@@ -25,7 +26,8 @@ class TinyLM(nn.Module):
     def __init__(self):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.Sequential(*[nn.Sequential(nn.LayerNorm(WIDTH), nn.Linear(WIDTH, 2 * WIDTH),
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.LayerNorm(WIDTH),
+                                                    nn.Linear(WIDTH, 2 * WIDTH),
                                                     nn.GELU(), nn.Linear(2 * WIDTH, WIDTH))
                                       for _ in range(3)])
         self.norm = nn.LayerNorm(WIDTH)

@@ -45,7 +45,7 @@ def train_three_steps(name: str):
     import warnings
 
     import zeroengine
-    from zeroengine.config import ConfigError
+    from zeroengine import ConfigError
     with open(os.path.join(TESTS, name)) as f:
         raw = json.load(f)
     torch.manual_seed(0)

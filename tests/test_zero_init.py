@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from models import proc_status_bytes, reset_peak_rss
+from harness import proc_status_bytes, reset_peak_rss
 
 from zeroengine.testing import run_ranks
 

@@ -6,13 +6,11 @@ save: the clean-exit test runs it under torchrun many times (issue 41).
 Every run must exit 0 and leave DIR/global_step2 complete: the engine's exit path finishes the
 pending save, closes the engine and takes the process group down.
 """
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import make_model, make_optimizer, param_groups, run_step  # noqa: E402
+from harness import make_model, make_optimizer, param_groups, run_step
 
-import zeroengine  # noqa: E402
+import zeroengine
 
 model = make_model()
 engine = zeroengine.initialize(

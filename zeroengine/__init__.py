@@ -14,34 +14,55 @@ import torch
 import torch.nn as nn
 
 from ._version import __version__
-from .config import Config, ConfigError, model_hidden_size, parse_config, resolve_auto, to_dict
+from .config import Config, model_hidden_size, parse_config, resolve_auto, to_dict
 from .config_policy import notice
-from .checkpoint.weight_files import WeightsError
 from .core import deferred_params
 from .core.compiled import check_compile_args
-from .core.drop_in import install as _install_drop_in
 from .core.engine import ZeroEngine
 from .core.gathered import gathered_parameters
 from .core.optimizer_chain import OptimizerChain
 from .core.optimizer_factory import optimizer_from_config
-from .core.optimizer_kind import OptimizerKindError, declare_optimizer, optimizer_kind
+from .core.optimizer_kind import declare_optimizer, optimizer_kind
 from .core.schedulers import scheduler_from_config
 from .core.sharding import Sharding
 from .core.zero_init import zero_init
-from .dist.comm import Comm, init_distributed
-from .dist.consistency import RankMismatchError, check_rank_consistency
-from .dist.topology import (
+from .distributed.bootstrap import init_distributed
+from .distributed.comm import Comm
+from .distributed.consistency import check_rank_consistency
+from .distributed.topology import (
     build_topology,
     check_same_sizes,
     ranks_per_node,
     resolve_hpz_size,
     resolve_shard_size,
 )
+from .errors import (  # every exception the package raises (errors.py)
+    CheckpointError,
+    CollectiveError,
+    ConfigError,
+    ConfigNotice,
+    LaunchError,
+    LossScaleFloorError,
+    MixedStepError,
+    NonFiniteGradientError,
+    NotInZeroengine,
+    OptimizerKindError,
+    ParameterReplacedError,
+    RankDivergenceError,
+    RankMismatchError,
+    ShardedParameterAccessError,
+    UnsafeOrUnreadable,
+    WeightsError,
+    ZeroEngineError,
+)
 
-_install_drop_in()  # torch.nn.utils.clip_grad_norm_ learns the engine's sharded gradients
 __all__ = ["initialize", "init_distributed", "gathered_parameters", "zero_init", "ZeroEngine",
-           "ConfigError", "Config", "parse_config", "RankMismatchError", "declare_optimizer",
-           "OptimizerChain", "OptimizerKindError", "WeightsError", "__version__"]
+           "Config", "parse_config", "declare_optimizer", "OptimizerChain", "__version__",
+           "CheckpointError", "CollectiveError", "ConfigError", "ConfigNotice", "LaunchError",
+           "LossScaleFloorError", "MixedStepError", "NonFiniteGradientError", "NotInZeroengine",
+           "OptimizerKindError", "ParameterReplacedError", "RankDivergenceError",
+           "RankMismatchError", "ShardedParameterAccessError", "UnsafeOrUnreadable",
+           "WeightsError", "ZeroEngineError"]
 
 
 def _passed_and_configured(section: str, what: str, passed, configured) -> None:

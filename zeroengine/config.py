@@ -5,7 +5,7 @@ validation, the "did you mean" suggestions and the generated reference (``make d
 docs/config.md) all read these declarations. This module imports nothing
 from torch, so it can be tested and used (``zeroengine check-config``) without a framework.
 
-Three kinds of keys:
+Four kinds of keys:
 - supported: declared below and acted upon;
 - accepted without effect: declared below with ``no_effect`` saying why (e.g. DeepSpeed's
   ``contiguous_gradients``, which is how zeroengine always works);
@@ -28,13 +28,10 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .config_policy import NO_EFFECT, REFUSED, notice
+from .errors import ConfigError
 
 AUTO = "auto"
 COMMENT_PREFIX = "_comment"  # JSON has no comments: keys starting with this are skipped
-
-
-class ConfigError(ValueError):
-    """A config that cannot be used; the message names the key path and the fix."""
 
 
 def option(default, doc: str, *, lo=None, hi=None, choices=None, auto: bool = False,
@@ -287,10 +284,10 @@ class BF16Config:
         "except that an update landing exactly halfway between two bfloat16 values with an even "
         "upper half moves the master by one fp32 ulp toward the weight). Any optimizer.")
     stochastic_rounding: bool = option(
-        False, "Round the bfloat16 master weights and optimizer states stochastically (zeroengine's "
-        "key), with random bits from (stochastic_rounding_seed, step, the element's index in the "
-        "model): small updates survive on average, and a run is reproducible bit for bit at any "
-        "world size and stage.")
+        False, "Round the bfloat16 master weights and optimizer states stochastically "
+        "(zeroengine's key), with random bits from (stochastic_rounding_seed, step, the "
+        "element's index in the model): small updates survive on average, and a run is "
+        "reproducible bit for bit at any world size and stage.")
     stochastic_rounding_seed: int = option(0, "The seed of stochastic_rounding's random bits.",
                                            lo=0, hi=2 ** 63 - 1)
 

@@ -14,10 +14,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable
 
-
-class ConfigNotice(UserWarning):
-    """A config key accepted with no effect here, an alias, or an ignored unknown key."""
-
+from .errors import ConfigNotice
 
 _noticed: set[str] = set()
 

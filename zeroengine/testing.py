@@ -32,12 +32,11 @@ def _entry(rank, world_size, port, fn, args, queue):
         result = fn(*args)
         # Plain pickle: torch's queue would share tensor memory that dies with this process.
         queue.put((rank, True, pickle.dumps(result)))
-    except BaseException:  # report everything, including assertion failures, to the parent
+    except BaseException:  # noqa: BLE001 - everything goes to the parent
         queue.put((rank, False, traceback.format_exc()))
     finally:
-        import torch.distributed as dist
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        from .distributed.bootstrap import destroy_group
+        destroy_group()
 
 
 def run_ranks(world_size: int, fn, *args, timeout: float = 300.0,

@@ -11,24 +11,14 @@ them from a background thread, where they must never interleave with training's 
 """
 from __future__ import annotations
 
-import datetime
-
-import torch.distributed as dist
-
-from ..dist.comm import Comm
+from ..distributed.comm import Comm
 from .format import CheckpointError
 
 
 def checkpoint_comm(comm: Comm) -> Comm:
     """Collective (every rank of ``comm``): a host-side (gloo) group over the same ranks for
     the protocol's reports, with ``comm``'s timeout."""
-    if comm.world_size == 1:
-        return comm
-    ranks = None if comm.group is None else dist.get_process_group_ranks(comm.group)
-    kwargs = {}
-    if comm.timeout_s is not None:
-        kwargs["timeout"] = datetime.timedelta(seconds=comm.timeout_s)
-    return Comm(dist.new_group(ranks=ranks, backend="gloo", **kwargs), comm.timeout_s)
+    return comm.host_side_twin()
 
 
 def describe(error: BaseException) -> str:

@@ -88,7 +88,7 @@ def _read_metadata(path: str) -> Record:
                                           _metadata_allowlist()).load()
     except UnsafeOrUnreadable as err:
         raise CheckpointError(str(err)) from None
-    except Exception as err:
+    except Exception as err:  # noqa: BLE001 - raised again as a named error
         raise CheckpointError(f"{file} is not readable DCP metadata ({type(err).__name__}: "
                               f"{err}): a truncated or damaged file") from None
     if not isinstance(metadata, Record) or not hasattr(metadata, "state_dict_metadata"):
@@ -172,7 +172,7 @@ class DcpCheckpoint:
         self._ours = self._read_ours() if ZEROENGINE_KEY in self._bytes else {}
         self.meta = self._meta()
 
-    # -- which key is what ---------------------------------------------------------------------------
+    # -- which key is what -------------------------------------------------------------------------
     def _classify(self, paths: dict[str, tuple]) -> None:
         self.state: dict[str, dict[str, str]] = {}  # param fqn -> state key -> DCP key
         groups: dict[int, dict[str, str]] = {}  # group index -> hyperparameter -> DCP key
@@ -209,7 +209,7 @@ class DcpCheckpoint:
         blob = self._value(ZEROENGINE_KEY)
         try:
             return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - raised again as a named error
             raise CheckpointError(f"{self.dir}: its {ZEROENGINE_KEY!r} entry could not be "
                                   f"loaded safely ({type(err).__name__}: {err})") from None
 
@@ -274,7 +274,7 @@ class DcpCheckpoint:
             self._archive_tensor(chunk).read(at - chunk.begin, out[done:done + take])
             done += take
 
-    # -- ShardReader's methods -----------------------------------------------------------------------
+    # -- ShardReader's methods ---------------------------------------------------------------------
     @property
     def reader(self):
         return self

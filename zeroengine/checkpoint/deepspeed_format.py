@@ -368,7 +368,7 @@ class DeepSpeedCheckpoint:
         shape = tuple(shape)
         return torch.cat(pieces)[:math.prod(shape)].view(shape)
 
-    # -- ShardReader's methods -----------------------------------------------------------------------
+    # -- ShardReader's methods ---------------------------------------------------------------------
     @property
     def reader(self):
         return self

@@ -33,16 +33,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import CheckpointError
 from .weight_files import DTYPES as SAFETENSORS_DTYPES
 from .weight_files import WeightFiles, WeightsError, read_header
 
 FORMAT_VERSION = 1
 META = "meta.json"
 LATEST = "latest"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be written or read as asked; the message names the file."""
 
 
 def rank_file(rank: int, ext: str) -> str:
@@ -210,7 +207,7 @@ def load_extras(path: str) -> dict:
     """A rank's .pt file, without executing any pickled code."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # weights_only refuses anything but tensors and plain containers
+    except Exception as err:  # noqa: BLE001 - weights_only's refusals
         raise CheckpointError(f"{path} could not be loaded safely (weights_only=True refused "
                               f"it: {type(err).__name__}: {str(err).splitlines()[0]})") from None
 
@@ -227,7 +224,7 @@ def locate(group: dict, flat_begin: int, numel: int) -> list[Piece]:
     """Split the flat range [flat_begin, flat_begin + numel) of a saved group (which lies in one
     segment, as every parameter does) into per-rank pieces of the saved shards."""
     world = group["shard_world"]
-    for start, length, shard_offset in group["segments"]:
+    for start, length, shard_offset in group["segments"]:  # noqa: B007 - the found one, below
         if start <= flat_begin < start + length:
             break
     else:

@@ -39,7 +39,7 @@ class _Writer:
                 save_file(tensors, path + ".tmp", metadata={"format": "pt"})
                 fmt.fsync_file(path + ".tmp")
                 os.replace(path + ".tmp", path)
-            except BaseException as e:  # raised in the rank by wait()
+            except BaseException as e:  # noqa: BLE001 - raised in the rank by wait()
                 self._error = e
         self._thread = threading.Thread(target=run, name="save_pretrained-writer", daemon=True)
         self._thread.start()
@@ -245,7 +245,7 @@ def _save_configs(module, save_dir: str, dtype: torch.dtype) -> list[str]:
             if hasattr(config, attr):
                 try:
                     setattr(config, attr, dtype)
-                except Exception:
+                except Exception:  # noqa: BLE001 - an optional attribute
                     pass
         config.save_pretrained(save_dir)
         written.append(os.path.join(save_dir, "config.json"))
@@ -254,6 +254,6 @@ def _save_configs(module, save_dir: str, dtype: torch.dtype) -> list[str]:
         try:
             generation.save_pretrained(save_dir)
             written.append(os.path.join(save_dir, "generation_config.json"))
-        except Exception as e:  # a generation config transformers itself would refuse
+        except Exception as e:  # noqa: BLE001 - one transformers would refuse
             warnings.warn(f"save_pretrained: generation_config not written ({e})", stacklevel=3)
     return written

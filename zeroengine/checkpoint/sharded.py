@@ -145,7 +145,8 @@ def _owned_state_tensors(engine, gi: int, fg, names) -> dict[str, torch.Tensor]:
 def _module_rest(engine) -> dict[str, torch.Tensor]:
     """state_dict entries not held in flat groups: buffers, frozen and non-optimized params."""
     managed = _managed(engine)
-    return {k: v.detach().cpu().clone() for k, v in uncompiled(engine.module).state_dict(keep_vars=True).items()
+    state = uncompiled(engine.module).state_dict(keep_vars=True)
+    return {k: v.detach().cpu().clone() for k, v in state.items()
             if id(v) not in managed}
 
 

@@ -5,7 +5,8 @@ asynchronous save can write it from a background thread while training goes on.
 
 The write follows the commit protocol (commit.py) in three rounds, each ending in one report
 from every rank: (1) the ``<tag>.tmp`` directory exists and every rank names the same tag;
-(2) every rank's files are written and fsynced, with their sizes and checksums; (3) rank 0 wrote meta.json,
+(2) every rank's files are written and fsynced, with their sizes and checksums; (3) rank 0 wrote
+meta.json,
 renamed the directory into place and replaced ``latest`` (node-local saves: every rank
 published its own directory). A failure in any round raises the same CheckpointError on every
 rank, after the failed save's files are removed; ``latest`` is only replaced in round 3, so it

@@ -23,10 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-class UnsafeOrUnreadable(ValueError):
-    """The file is not a torch.save archive this reader takes, or pickles something it refuses."""
-
+from ..errors import UnsafeOrUnreadable
 
 _STORAGE_DTYPES = {
     "FloatStorage": torch.float32, "DoubleStorage": torch.float64,
@@ -210,7 +207,7 @@ class _Archive:
     def __del__(self):
         try:
             self.close()
-        except Exception:
+        except Exception:  # noqa: BLE001 - best effort while closing
             pass
 
 
@@ -310,7 +307,7 @@ def load_lazy(path: str, records: dict[tuple[str, str], object] | None = None,
         return _Unpickler(io.BytesIO(data), archive, records or {}).load()
     except UnsafeOrUnreadable:
         raise
-    except Exception as err:  # a damaged pickle stream
+    except Exception as err:  # noqa: BLE001 - a damaged pickle stream
         raise UnsafeOrUnreadable(f"{path}: its pickled contents are unreadable "
                                  f"({type(err).__name__}: {err})") from None
 

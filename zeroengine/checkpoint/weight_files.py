@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import WeightsError
+
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 _MAX_HEADER = 100 * 1024 * 1024  # the format's own limit
@@ -32,10 +34,6 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
 for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2")):
     if hasattr(torch, _attr):
         DTYPES[_name] = getattr(torch, _attr)
-
-
-class WeightsError(ValueError):
-    """The weight files cannot serve the model: names the file or key and what to do."""
 
 
 @dataclass(frozen=True)
@@ -179,7 +177,7 @@ class WeightFiles:
     def __del__(self):
         try:
             self.close()
-        except Exception:
+        except Exception:  # noqa: BLE001 - best effort while closing
             pass
 
 

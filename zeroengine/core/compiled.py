@@ -131,7 +131,7 @@ def check_compile_args(backend, kwargs: dict | None, where: str = "compile") -> 
         try:
             torch.compile(_nothing, backend=backend,
                           **{k: kwargs[k] for k in ("mode", "options") if k in kwargs})
-        except Exception as e:  # torch raises RuntimeError/AssertionError/TypeError here
+        except Exception as e:  # noqa: BLE001 - torch raises several kinds here
             names = " and ".join(f"{extra}.{k}" for k in ("mode", "options") if k in kwargs)
             raise ConfigError(f"{names}: {e}") from None
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from ..checkpoint.weight_files import WeightFiles, WeightsError
-from ..dist.comm import Comm
+from ..distributed.comm import Comm
 
 
 class FileSource:

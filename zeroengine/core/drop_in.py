@@ -8,7 +8,8 @@ would be silently wrong. This module routes them to the engine:
 
 - ``redirect_optimizer``: the user's optimizer object forwards step / zero_grad /
   state_dict / load_state_dict to the ShardedOptimizer that replaced it.
-- ``clip_grad_norm_``: installed over torch's at import; for the engine's parameters it
+- ``clip_grad_norm_``: installed over torch's by the first engine (and torch's put back when
+  the last one closes, so importing zeroengine changes nothing); for the engine's parameters it
   returns the true global norm (a collective: every rank calls it, as under DDP) and the
   clip coefficient is applied by the next optimizer step, on the shards. Any other
   parameters go to torch's own function. A copy of torch's function bound before zeroengine
@@ -23,21 +24,27 @@ import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad as _clip_module
 
+from ..errors import ParameterReplacedError
+from . import registry
 from .compiled import BucketSplit, is_compiled, uncompiled
 from .optimizer_chain import OptimizerChain
 
-# id(parameter) -> the ShardedOptimizer stepping it; filled by the engine, emptied by close().
-_OPTIMIZER_OF: dict[int, object] = {}
-
 
 def register_parameters(params, optimizer) -> None:
+    """An engine's parameters, stepped by ``optimizer``; the first engine installs the
+    engine-aware clip_grad_norm_."""
     for p in params:
-        _OPTIMIZER_OF[id(p)] = optimizer
+        registry.hold(p, optimizer=optimizer)
+    install()
 
 
 def unregister_parameters(params) -> None:
+    """An engine's close(): its parameters forgotten; torch's clip_grad_norm_ back once no
+    engine holds any."""
     for p in params:
-        _OPTIMIZER_OF.pop(id(p), None)
+        registry.let_go(p, "optimizer")
+    if registry.held_count("optimizer") == 0:
+        uninstall()
 
 
 def redirect_optimizer(user_optimizer: torch.optim.Optimizer, sharded,
@@ -68,16 +75,21 @@ def redirect_optimizer(user_optimizer: torch.optim.Optimizer, sharded,
 
 _torch_clip_grad_norm_ = _clip_module.clip_grad_norm_
 _torch_clip_grads_with_norm_ = _clip_module._clip_grads_with_norm_
+_torch_public_clip_grads = getattr(torch.nn.utils, "clip_grads_with_norm_", None)  # torch >= 2.6
 
 
 def _engine_parameters(params: list) -> tuple[object | None, list]:
     """(the one ShardedOptimizer owning any of ``params`` or None, the others)."""
-    owners = {id(_OPTIMIZER_OF[id(p)]): _OPTIMIZER_OF[id(p)] for p in params
-              if id(p) in _OPTIMIZER_OF}
+    owners, others = {}, []
+    for p in params:
+        optimizer = registry.held_by(p, "optimizer")
+        if optimizer is None:
+            others.append(p)
+        else:
+            owners[id(optimizer)] = optimizer
     if len(owners) > 1:
         raise RuntimeError("clip_grad_norm_ was given the parameters of several zeroengine "
                            "engines at once; clip each engine's parameters separately")
-    others = [p for p in params if id(p) not in _OPTIMIZER_OF]
     return (next(iter(owners.values())) if owners else None), others
 
 
@@ -107,9 +119,9 @@ def _clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=None):
             "torch's clip_grad_norm_ / clip_grads_with_norm_ was called on parameters that "
             "zeroengine shards: param.grad is not their reduced gradient there, so the norm "
             "torch computed is wrong. Call torch.nn.utils.clip_grad_norm_ through the module "
-            "attribute (zeroengine replaces it; a `from torch.nn.utils import clip_grad_norm_` "
-            "made before `import zeroengine` keeps torch's own), or set \"gradient_clipping\" "
-            "in the config")
+            "attribute (the engine replaces it while it exists; a `from torch.nn.utils import "
+            "clip_grad_norm_` made before initialize() binds torch's own), or set "
+            "\"gradient_clipping\" in the config")
     return _torch_clip_grads_with_norm_(params, max_norm, total_norm, foreach)
 
 
@@ -119,6 +131,21 @@ def install() -> None:
         module.clip_grad_norm_ = clip_grad_norm_
     _clip_module._clip_grads_with_norm_ = _clip_grads_with_norm_
     torch.nn.utils.clip_grads_with_norm_ = _clip_grads_with_norm_
+
+
+def uninstall() -> None:
+    """torch's own functions back where they were (idempotent)."""
+    for module in (torch.nn.utils, _clip_module):
+        module.clip_grad_norm_ = _torch_clip_grad_norm_
+    _clip_module._clip_grads_with_norm_ = _torch_clip_grads_with_norm_
+    if _torch_public_clip_grads is not None:
+        torch.nn.utils.clip_grads_with_norm_ = _torch_public_clip_grads
+    elif hasattr(torch.nn.utils, "clip_grads_with_norm_"):
+        del torch.nn.utils.clip_grads_with_norm_
+
+
+def installed() -> bool:
+    return torch.nn.utils.clip_grad_norm_ is clip_grad_norm_
 
 
 class EngineHook:
@@ -142,10 +169,6 @@ class EngineHook:
 
 def _detached(*args):
     return None
-
-
-class ParameterReplacedError(RuntimeError):
-    """A parameter the engine manages was replaced or re-pointed after initialize()."""
 
 
 class ForwardGuard:

@@ -5,8 +5,8 @@ FlatParamGroup (flat_param_group.py) lays parameters out in flat buffers; ParamF
 (param_fetcher.py, stage 3) gathers and releases parameter segments around their use;
 GradReducer (grad_reducer.py) reduces gradients during backward; OptimizerOffload
 (optimizer_offload.py) holds the host side of an offloaded step; ShardedOptimizer
-(sharded_optimizer.py) steps the rank's shard; Comm (dist/comm.py) carries the bytes and
-dist/handles.py names what is in flight.
+(sharded_optimizer.py) steps the rank's shard; Comm (distributed/comm.py) carries the bytes and
+distributed/handles.py names what is in flight.
 
 One training step, in order (the file and function where each happens):
   forward   ForwardGuard (drop_in.py) checks the parameters and broadcasts buffers; stage 3:
@@ -33,12 +33,13 @@ import torch
 import torch.nn as nn
 
 from ..config import AUTO, Config, ConfigError
-from ..dist.comm import Comm
-from ..dist.topology import Topology
+from ..distributed.comm import Comm
+from ..distributed.topology import Topology
 from ..monitor import Monitor
 from ..ops.quantize import DEFAULT_BLOCK as QUANT_BLOCK
 from . import compiled, gathered
 from .compiled import uncompiled
+from .deferred_params import is_deferred
 from .drop_in import ForwardGuard, redirect_optimizer, register_parameters, unregister_parameters
 from .engine_queries import EngineQueries
 from .grad_reducer import GradReducer, ReduceSettings
@@ -50,8 +51,8 @@ from .precision import LossScaler, OptimizerPrecision, Precision
 from .sharded_optimizer import ShardedOptimizer, StepSettings
 from .sharding import Sharding
 from .step_clock import StepClock
-from .deferred_params import is_deferred
 from .zero_init import is_sharded
+
 
 class ZeroEngine(EngineQueries):
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, config: Config,

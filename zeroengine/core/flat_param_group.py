@@ -4,8 +4,8 @@ Two modes:
 - whole (stages 0-2, and stage-3 parameters below the persistence threshold): ``self.full``
   holds every element; each parameter's ``.data`` is a view into it, so the model runs unchanged.
 - partitioned (stage 3): ``self.shard`` holds only this rank's chunks; each parameter is a view
-  into its segment's full tensor, whose storage is empty until stage3.ParamFetcher gathers the
-  segment for a module that needs it.
+  into its segment's full tensor, whose storage is empty until the ParamFetcher
+  (param_fetcher.py) gathers the segment for a module that needs it.
 
 The rank's *master* chunks are what its optimizer updates. In fp32 they are the parameter memory
 itself (no copy); for a lower-precision compute dtype they are a separate fp32 shard, taken from

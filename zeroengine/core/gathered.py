@@ -1,7 +1,7 @@
 """``gathered_parameters``: the full values of chosen parameters inside a block, on every rank,
-with an optional write-back of one rank's changes; and the registry it needs of which engine
-holds a parameter (a stage-3 ParamFetcher for partitioned ones, the flat group and Comm of whole
-ones at any stage).
+with an optional write-back of one rank's changes. It finds a parameter's engine in the registry
+(registry.py): a stage-3 ParamFetcher for partitioned ones, the flat group and Comm of whole
+ones at any stage.
 """
 from __future__ import annotations
 
@@ -9,12 +9,10 @@ import contextlib
 
 import torch
 
-from ..dist.comm import Comm
+from ..distributed.comm import Comm
+from . import registry
 from .flat_param_group import FlatParamGroup
 from .param_fetcher import Key, ParamFetcher
-
-# Which fetcher partitions a parameter (by id), for gathered_parameters().
-_FETCHER_OF: dict[int, ParamFetcher] = {}
 
 
 @contextlib.contextmanager
@@ -29,7 +27,7 @@ def gathered_parameters(params, modifier_rank: int | None = None):
     params = list(params)
     by_fetcher: dict[int, tuple[ParamFetcher, list[Key]]] = {}
     for p in params:
-        fetcher = _FETCHER_OF.get(id(p))
+        fetcher = registry.held_by(p, "fetcher")
         if fetcher is not None:
             keys = by_fetcher.setdefault(id(fetcher), (fetcher, []))[1]
             if fetcher.where[id(p)] not in keys:
@@ -50,8 +48,7 @@ def gathered_parameters(params, modifier_rank: int | None = None):
             pending = torch.is_grad_enabled() and fetcher.passes == passes[id(fetcher)]
             fetcher.release(keys, user=True, keep_for_backward=pending)
         if modifier_rank is not None:
-            partitioned = {id(p) for p in params if id(p) in _FETCHER_OF}
-            whole = [p for p in params if id(p) not in partitioned]
+            whole = [p for p in params if registry.held_by(p, "fetcher") is None]
             if whole:
                 _write_back_whole(whole, modifier_rank)
 
@@ -61,18 +58,15 @@ def _write_back_whole(params, src: int) -> None:
     each rank's fp32 master chunks from them."""
     touched: dict[int, FlatParamGroup] = {}
     for p in params:
-        if id(p) not in _WHOLE_OF:
+        held = registry.held_by(p, "whole")
+        if held is None:
             raise ValueError(f"parameter of shape {tuple(p.shape)} is not managed by a "
                              "zeroengine engine")
-        group, comm = _WHOLE_OF[id(p)]
+        group, comm = held
         comm.broadcast(p.data, src)
         touched[id(group)] = group
     for group in touched.values():
         group.refresh_master()
-
-
-# Which (group, comm) holds a whole (not partitioned) parameter, for gathered_parameters().
-_WHOLE_OF: dict[int, tuple[FlatParamGroup, Comm]] = {}
 
 
 def register(groups: list[FlatParamGroup], comm: Comm, fetcher: ParamFetcher | None) -> None:
@@ -80,13 +74,12 @@ def register(groups: list[FlatParamGroup], comm: Comm, fetcher: ParamFetcher | N
     for g in groups:
         for p in g.params:
             if fetcher is not None and id(p) in fetcher.where:
-                _FETCHER_OF[id(p)] = fetcher
+                registry.hold(p, fetcher=fetcher)
             else:
-                _WHOLE_OF[id(p)] = (g, comm)
+                registry.hold(p, whole=(g, comm))
 
 
 def unregister(groups: list[FlatParamGroup]) -> None:
     for g in groups:
         for p in g.params:
-            _WHOLE_OF.pop(id(p), None)
-            _FETCHER_OF.pop(id(p), None)
+            registry.let_go(p, "whole", "fetcher")

@@ -2,8 +2,8 @@
 
 One ``Bucket`` per segment of every FlatParamGroup. A post-accumulate-grad hook on each
 parameter marks it ready; when a bucket is complete its collective is launched asynchronously
-(``start_reduce``) while autograd computes the rest of backward, and the end-of-backward callback
-launches what is left and waits (``finish_reduce``).
+(``_start_reduce``) while autograd computes the rest of backward, and the end-of-backward
+callback (``_end_backward``) launches what is left and waits for it (``_finish_reduce``).
 
 Ordering: every rank must issue the same collectives in the same order, even when a parameter
 gets no gradient on one rank only. Buckets are therefore launched strictly in a fixed order (the
@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..dist.comm import Comm
-from ..dist.handles import Handle
+from ..distributed.comm import Comm
+from ..distributed.handles import Handle
 from .flat_param_group import FlatParamGroup
 from .host_memory import zeros_on_demand
 from .layout import FlatBuffer

@@ -14,7 +14,8 @@ Known classes are listed by exact class: a subclass may override step() with any
 classes are *probed*: stepped on a few small tensors shaped like the group's parameters, once
 on the whole tensors and once on a permuted flat layout cut into two pieces, each in its own
 optimizer as each rank's shard is (elementwise iff they agree), and once with every tensor in
-its own optimizer (tensorwise iff that agrees). A user may declare a class instead: ``zeroengine.declare_optimizer(MyOpt, "tensorwise")`` or a
+its own optimizer (tensorwise iff that agrees). A user may declare a class instead:
+``zeroengine.declare_optimizer(MyOpt, "tensorwise")`` or a
 class attribute ``zeroengine_update = "tensorwise"``.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ import math
 
 import torch
 
+from ..errors import OptimizerKindError
 from ..ops import CPUAdam, FusedAdam
 
 ELEMENTWISE = "elementwise"
@@ -44,10 +46,6 @@ _REFUSED: dict[str, str] = {
     "SparseAdam": "it needs sparse gradients, and zeroengine reduces dense flat buffers",
 }
 _declared: dict[type, str] = {}
-
-
-class OptimizerKindError(TypeError):
-    """The optimizer cannot be sharded, or zeroengine could not tell how."""
 
 
 def declare_optimizer(cls: type, kind: str) -> None:
@@ -153,9 +151,10 @@ def probe_kind(cls: type, defaults: dict, group: dict) -> str:
         try:
             reference = whole_run()
             again = whole_run()
-        except Exception as err:  # noqa: BLE001 - any failure means "cannot classify"
+        except Exception as err:
             raise _unclassified(cls, f"stepping it on small tensors failed "
-                                f"({type(err).__name__}: {str(err).splitlines()[0][:200]})")
+                                f"({type(err).__name__}: {str(err).splitlines()[0][:200]})"
+                                ) from err
         if not all(torch.equal(a, b) for a, b in zip(reference, again)):
             raise _unclassified(cls, "two identical runs gave different results (randomness "
                                 "inside step()?)")
@@ -189,9 +188,10 @@ def probe_kind(cls: type, defaults: dict, group: dict) -> str:
                     t.grad = g.to(device)
             _run(cls, defaults, group, [[t] for t in alone], set_alone_grads)
             independent = all(_close(r, a.detach().cpu()) for r, a in zip(reference, alone))
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             raise _unclassified(cls, f"stepping one tensor at a time failed "
-                                f"({type(err).__name__}: {str(err).splitlines()[0][:200]})")
+                                f"({type(err).__name__}: {str(err).splitlines()[0][:200]})"
+                                ) from err
         if independent:
             return TENSORWISE
         raise OptimizerKindError(

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..dist.handles import Handle, copy_async
+from ..distributed.handles import Handle, copy_async
 from .flat_param_group import FlatParamGroup
 from .layout import shard_segment_views
 from .precision import FP32_MASTER, LOW_MASTER

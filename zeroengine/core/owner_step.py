@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ..dist.comm import Comm
+from ..distributed.comm import Comm
 from .flat_param_group import FlatParamGroup
 from .layout import ShardPiece
 from .owner_partition import OwnerPartition

@@ -33,13 +33,14 @@ import torch
 import torch.nn as nn
 
 from ..config import auto_stage3_window
-from ..dist.comm import Comm
-from ..dist.handles import GATHER, PREFETCH, Handle
+from ..distributed.comm import Comm
+from ..distributed.handles import GATHER, PREFETCH, Handle
+from ..errors import RankDivergenceError, ShardedParameterAccessError
 from .compiled import eager_stance, is_compiled, uncompiled
 from .drop_in import EngineHook
 from .flat_param_group import FlatParamGroup
 from .param_layout import fetching_modules, parameter_owners
-from .sharded_param import ShardedParameterAccessError, mark_sharded, unmark_sharded
+from .sharded_param import mark_sharded, unmark_sharded
 
 Key = tuple[int, int]  # (index of the partitioned group, segment)
 
@@ -49,10 +50,6 @@ _NO_KEY = (-1, -1)  # the check at the start of a forward, before any segment
 _PURPOSES = {_FORWARD: "a forward", _FORWARD_NO_GRAD: "a forward without gradients "
              "(evaluation, generation)", _BACKWARD: "a backward",
              _USER: "a gathered_parameters block", _REFRESH: "the refresh after a step"}
-
-
-class RankDivergenceError(RuntimeError):
-    """Stage-3 ranks were about to gather different parameters: they run different code."""
 
 
 @dataclass

@@ -9,12 +9,12 @@ import torch
 import torch.nn as nn
 
 from ..config import AUTO, ZeroConfig, auto_fetch_unit
-from ..dist.comm import Comm
+from ..distributed.comm import Comm
+from . import deferred_params
 from .flat_param_group import FlatParamGroup
 from .layout import bucket_params
 from .precision import FP32_MASTER, Precision
 from .sharding import Sharding
-from . import deferred_params
 from .zero_init import is_sharded, make_whole, materialize
 
 

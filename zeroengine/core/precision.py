@@ -20,9 +20,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-
-class LossScaleFloorError(RuntimeError):
-    """Gradients overflow even at the minimum loss scale."""
+from ..errors import LossScaleFloorError
 
 
 @dataclass

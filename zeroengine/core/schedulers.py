@@ -130,7 +130,8 @@ def scheduler_from_config(cfg: SchedulerConfig | None, optimizer):
     for key, value in params.items():
         if key not in accepted or key == "optimizer":
             raise ConfigError(f"scheduler.params.{key} is not an argument of {cfg.type}; accepted:"
-                              f" {', '.join(k for k in accepted if k not in ('self', 'optimizer'))}")
+                              " " + ", ".join(k for k in accepted
+                                              if k not in ("self", "optimizer")))
         if value == AUTO:
             if key == "warmup_max_lr":
                 params[key] = optimizer.param_groups[0]["lr"]

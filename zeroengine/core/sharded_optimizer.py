@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..dist.comm import Comm
-from ..dist.handles import Handle
+from ..distributed.comm import Comm
+from ..distributed.handles import Handle
+from ..errors import NonFiniteGradientError
 from ..ops import CPUAdam, FusedAdam
 from .flat_param_group import FlatParamGroup
 from .grad_reducer import GradReducer
@@ -49,10 +50,6 @@ logger = logging.getLogger("zeroengine")
 # bf16.store_param_remainders: elements of fp32 master rebuilt at a time (16 MB; at least one
 # segment), whatever zero_optimization.sub_group_size allows
 REMAINDER_WINDOW = 1 << 22
-
-
-class NonFiniteGradientError(FloatingPointError):
-    """A step's gradient held inf/NaN and the config's on_nonfinite is 'raise'."""
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-# id(parameter) -> the object with read_released(param, what) (stage3.ParamFetcher)
-_OWNER: dict[int, object] = {}
+from . import registry
+
 _BYPASS = [0]  # > 0 inside engine code that handles released parameters knowingly
 
 # Tensor attributes and methods that read no element values: always served.
@@ -103,10 +103,6 @@ def _is_noop_to(args, kwargs) -> bool:
     return device.index is None or device.index == current
 
 
-class ShardedParameterAccessError(RuntimeError):
-    """A stage-3 partitioned parameter was read where its values are not gathered."""
-
-
 class ShardedParameter(nn.Parameter):
     """A stage-3 partitioned parameter (see the module docstring)."""
 
@@ -121,7 +117,7 @@ class ShardedParameter(nn.Parameter):
         if not _BYPASS[0] and not torch.compiler.is_compiling() and _reads_values(func):
             for t in _sharded_in(args, _sharded_in(kwargs, [])):
                 if _released(t):
-                    owner = _OWNER.get(id(t))
+                    owner = registry.held_by(t, "reader")
                     if owner is not None:
                         owner.read_released(t, _describe(func))
         with torch._C.DisableTorchFunctionSubclass():
@@ -132,18 +128,19 @@ _SUBCLASSES: dict[type, type] = {nn.Parameter: ShardedParameter}
 
 
 def mark_sharded(p: nn.Parameter, owner) -> None:
-    """Give ``p`` the guarding class (a subclass of its own) and route its reads to owner."""
+    """Give ``p`` the guarding class (a subclass of its own) and route its reads to ``owner``
+(an object with ``read_released(param, what)``: param_fetcher.ParamFetcher)."""
     base = type(p)
     if not isinstance(p, ShardedParameter):
         if base not in _SUBCLASSES:
             _SUBCLASSES[base] = type(f"Sharded{base.__name__}", (ShardedParameter, base), {})
         p.__class__ = _SUBCLASSES[base]
-    _OWNER[id(p)] = owner
+    registry.hold(p, reader=owner)
 
 
 def unmark_sharded(p: nn.Parameter) -> None:
     """Give ``p`` its own class back (engine.close())."""
-    _OWNER.pop(id(p), None)
+    registry.let_go(p, "reader")
     if isinstance(p, ShardedParameter):
         base = next(b for b in type(p).__mro__ if not issubclass(b, ShardedParameter))
         p.__class__ = base

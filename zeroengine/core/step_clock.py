@@ -34,11 +34,9 @@ import weakref
 
 import torch
 
+from ..errors import MixedStepError
+
 logger = logging.getLogger("zeroengine")
-
-
-class MixedStepError(RuntimeError):
-    """engine.step() and the optimizer's own step() used so that a step cannot be counted."""
 
 
 class StepTimers:

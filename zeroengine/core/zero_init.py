@@ -28,7 +28,8 @@ import torch
 import torch.nn as nn
 
 from ..config import parse_config
-from ..dist.comm import Comm, init_distributed
+from ..distributed.bootstrap import init_distributed
+from ..distributed.comm import Comm
 from ..integrations import hf_pretrained
 from .sharding import Sharding
 

@@ -26,7 +26,7 @@ import torch
 from .. import build_engine
 from ..config import ConfigError, config_dict
 from ..config_policy import notice
-from . import accelerator, checkpointing, comm, moe, ops, utils, zero  # noqa: F401
+from . import accelerator, checkpointing, comm, moe, ops, utils, zero
 from ._missing import NotInZeroengine, missing
 from .comm import init_distributed
 from .engine import DeepSpeedEngine

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import difflib
 
-
-class NotInZeroengine(AttributeError):
-    """A DeepSpeed name zeroengine.deepspeed does not provide (an AttributeError, so that
-    ``hasattr`` and ``getattr(..., default)`` probes keep working)."""
+from ..errors import NotInZeroengine
 
 
 def missing(module: str, name: str, nearest: dict[str, str], present: list[str]):

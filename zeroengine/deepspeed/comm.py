@@ -33,7 +33,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     launch``, SLURM, MPI, PyTorchJob: zeroengine.init_distributed reads them all). A backend
     other than the one zeroengine picks for the device (NCCL on CUDA, gloo on CPU) is refused
     by name rather than ignored."""
-    from ..dist.comm import init_distributed as join
+    from ..distributed.bootstrap import init_distributed as join
     if dist_init_required is False or is_initialized():
         return
     if dist_backend is not None:

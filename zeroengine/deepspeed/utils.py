@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from ..core.drop_in import _OPTIMIZER_OF
+from ..core import registry
 from ._missing import missing
 
 
 def _locate(param: torch.Tensor):
     """(the ShardedOptimizer stepping ``param``, its flat group, its index there)."""
-    opt = _OPTIMIZER_OF.get(id(param))
+    opt = registry.held_by(param, "optimizer")
     if opt is None:
         raise ValueError("this tensor is not a parameter of a zeroengine engine (trainable, "
                          "in the optimizer); safe_get_full_* reads engine parameters only")

@@ -51,7 +51,7 @@ class Init(contextlib.ContextDecorator):
         return False
 
 
-def GatheredParameters(params, modifier_rank=None, fwd_module=None, enabled=True):  # noqa: N802
+def GatheredParameters(params, modifier_rank=None, fwd_module=None, enabled=True):
     """``with deepspeed.zero.GatheredParameters(params, modifier_rank=0):`` whole parameters
     inside; with a modifier rank, its changes reach every rank's shards on exit."""
     if not enabled:

@@ -1,7 +1,8 @@
 """fastai on zeroengine: a callback in place of fastai's ``DistributedTrainer``.
 
     from zeroengine.integrations.fastai import ZeroCallback  # also adds Learner.zero_ctx
-    learn = Learner(dls, model, loss_func=..., opt_func=partial(OptimWrapper, opt=torch.optim.AdamW))
+    learn = Learner(dls, model, loss_func=...,
+                    opt_func=partial(OptimWrapper, opt=torch.optim.AdamW))
     with learn.zero_ctx("ds.json"):         # was: with learn.distrib_ctx():
         learn.fit_one_cycle(5, 1e-3)        # launched as before (torchrun / accelerate launch)
 
@@ -22,6 +23,7 @@ import os
 import torch
 
 from ..config import ConfigError, config_dict
+from ..distributed.comm import Comm
 
 try:
     import fastai
@@ -52,7 +54,7 @@ class _DistributedDL(DistributedDL):
     def _broadcast(self, t, rank):
         device = "cuda" if torch.cuda.is_available() else "cpu"
         t = torch.tensor(t, dtype=torch.long, device=device)
-        torch.distributed.broadcast(t, rank)
+        Comm().broadcast(t, rank, what="the data loader's sample order")
         return t.cpu().tolist()
 
 

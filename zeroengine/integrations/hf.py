@@ -1,9 +1,10 @@
 """Hugging Face Trainer on zeroengine: ``ZeroTrainer`` is ``transformers.Trainer`` with the
 DeepSpeed config handed to zeroengine instead of DeepSpeed. From a DeepSpeed run, one line:
 
-    - args = TrainingArguments(..., deepspeed="ds_config.json"); trainer = Trainer(model, args, ...)
-    + args = TrainingArguments(...);                  trainer = ZeroTrainer(model, args, ...,
-    +                                                                      zero_config="ds_config.json")
+    - args = TrainingArguments(..., deepspeed="ds_config.json")
+    - trainer = Trainer(model, args, ...)
+    + args = TrainingArguments(...)
+    + trainer = ZeroTrainer(model, args, ..., zero_config="ds_config.json")
 
 The config's "auto" values resolve from TrainingArguments as transformers resolves them for
 DeepSpeed (batch sizes, accumulation, max_grad_norm, the optimizer's lr / betas / eps /

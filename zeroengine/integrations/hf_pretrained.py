@@ -95,7 +95,7 @@ def _conversion(files: WeightFiles, load_config) -> str | None:
         for transform in mapping:
             try:
                 renamed, pattern = transform.rename_source_key(key)
-            except Exception:  # a transform this module does not understand: theirs to do
+            except Exception:  # noqa: BLE001 - a transform we cannot read
                 return f"its conversion mapping ({type(transform).__name__}) could not be read"
             if pattern is not None or renamed != key:
                 return f"it converts checkpoint key {key!r} ({type(transform).__name__})"

@@ -134,9 +134,8 @@ def shard(array, global_batch_size: int, rank: int | None = None, world_size: in
     ``global_batch_size // world_size`` rows make up the global batches of a single-process
     run in order (``fit(..., shuffle=False)``); a last partial global batch is dropped."""
     if rank is None or world_size is None:
-        import torch.distributed as dist
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        from ..distributed.bootstrap import process_rank_and_world
+        rank, world_size = process_rank_and_world()
     if global_batch_size % world_size:
         raise ValueError(f"global_batch_size {global_batch_size} is not a multiple of the "
                          f"world size {world_size}")

@@ -1,7 +1,7 @@
 """Asynchronous file I/O for NVMe offload: tensors to and from files, in the background.
 
 ``AsyncFileIO(block_size, queue_depth, thread_count, o_direct)`` reads and writes the bytes of
-contiguous CPU tensors at file offsets; each call returns a ``Handle`` (dist/handles.py: the
+contiguous CPU tensors at file offsets; each call returns a ``Handle`` (distributed/handles.py: the
 comm layer's vocabulary), whose ``wait()`` blocks until the whole transfer is done and raises
 the first failure naming the file and offset. The knobs are DeepSpeed's ``aio`` section's
 (``block_size``, ``queue_depth``, ``thread_count``).
@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ..dist.handles import Handle
+from ..distributed.handles import Handle
 from .extensions import load_cpu_extension
 
 _ext = load_cpu_extension("_aio_ext")

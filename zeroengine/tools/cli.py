@@ -208,7 +208,7 @@ def _train(args) -> int:
         (["--resume"] if args.resume else []) + \
         (["--steps", str(args.steps)] if args.steps else []) + \
         (["--run-name", args.run_name] if args.run_name else [])
-    from ..dist.launch_env import pytorchjob_procs_per_pod, pytorchjob_torchrun_args
+    from ..distributed.launch_env import pytorchjob_procs_per_pod, pytorchjob_torchrun_args
     launched = any(k in os.environ for k in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"))
     torchrun_args = None
     if pytorchjob_procs_per_pod(os.environ) is not None:

@@ -11,7 +11,8 @@ The bf16/fp16 master keys change m and the 4 of each state: a low-precision mast
 copy); remainders (store_param_remainders) m = 2 (4 with offload: host weights + remainders);
 bf16_optimizer_states 2 bytes per state instead of 4.
 Offload moves the optimizer part to host memory, plus an fp32 host copy of the gradient shard
-(4*P/N; b*P/N beside a low-precision master); offload_param moves the stage-3 parameter shard there. To "nvme", the same parts go to
+(4*P/N; b*P/N beside a low-precision master); offload_param moves the stage-3 parameter shard
+there. To "nvme", the same parts go to
 the drive instead (``nvme_*``) and no host gradient copy is kept (converted a tile at a time);
 the tiles and cache in host memory are buffers, not counted. Mixed-precision Adam gives the
 paper's 16P, 4P + 12P/N, 2P + 14P/N and 16P/N for stages 0-3.

@@ -22,9 +22,7 @@ import socket
 import subprocess
 import sys
 
-
-class LaunchError(ValueError):
-    """A launch that cannot be done as asked: the message names the flag."""
+from ..errors import LaunchError
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 import zeroengine
-from zeroengine.dist.comm import shutdown_distributed
+from zeroengine.distributed.bootstrap import shutdown_distributed
 from zeroengine.examples.gpt import GPT, GPTConfig, num_params
 from zeroengine.tools.job_config import job_config
 

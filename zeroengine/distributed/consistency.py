@@ -14,11 +14,8 @@ import json
 import torch
 import torch.nn as nn
 
+from ..errors import RankMismatchError
 from .comm import Comm
-
-
-class RankMismatchError(RuntimeError):
-    """Ranks built different models, configs or zeroengine versions."""
 
 
 def describe(model: nn.Module, config_dict: dict, version: str) -> list[tuple[str, str]]:

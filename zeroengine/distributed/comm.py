@@ -1,4 +1,9 @@
-"""The only module that talks to torch.distributed.
+"""Collectives over a process group, and what they carried.
+
+With bootstrap.py (joining and leaving the group) and quantized.py (ZeRO++'s int8 collectives,
+mixed into ``Comm``), this folder is where zeroengine calls torch.distributed; the rest of the
+package goes through ``Comm``. (deepspeed/comm.py is DeepSpeed's names for torch.distributed
+itself, for scripts written against DeepSpeed.)
 
 Collectives are issued through a ``Comm`` object that (1) picks, once, the primitive the installed
 torch offers on the active backend (``*_single`` names on new torch, ``*_tensor`` names on older,
@@ -12,7 +17,6 @@ all-reduce twice that. It is what the ZeRO paper's communication volumes are sta
 from __future__ import annotations
 
 import datetime
-import os
 import time
 from collections import defaultdict
 from typing import Callable, NoReturn
@@ -20,109 +24,12 @@ from typing import Callable, NoReturn
 import torch
 import torch.distributed as dist
 
-from ..ops import flatten_into, quantize, unflatten_from
-from . import stop_report
+from ..errors import CollectiveError
+from ..ops import flatten_into, unflatten_from
 from .handles import GATHER, REDUCE, Handle, StreamRole
-from .launch_env import LaunchEnv, read_launch_env
+from .quantized import QuantizedCollectives
 
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
-
-
-def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-def init_distributed(timeout_s: float | None = None) -> LaunchEnv:
-    """Join the process group described by the launcher's environment variables.
-
-    A no-op when a default group already exists (Ray Train, a user who called
-    ``init_process_group`` first). With no launcher variables at all this is a single process and
-    no group is created: every collective is then a local no-op.
-    """
-    if dist.is_available() and dist.is_initialized():
-        # The group's own rank and size are the truth here; the environment may describe a
-        # launcher the group was not built from (Ray's workers, a notebook).
-        local = os.environ.get("LOCAL_RANK", "0")
-        return LaunchEnv("existing", dist.get_rank(), dist.get_world_size(),
-                         int(local) if local.isdigit() else 0,
-                         os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                         int(port) if (port := os.environ.get("MASTER_PORT", "")).isdigit()
-                         else 0)
-    env = read_launch_env(os.environ)
-    if env.launcher == "none":
-        return env
-    stop_report.install(env.rank)  # a rank its launcher stops says so in its log
-    backend = default_backend()
-    if backend == "nccl":
-        torch.cuda.set_device(env.local_rank)
-    elif "GLOO_SOCKET_IFNAME" not in os.environ:
-        from .netif import interface_towards
-        interface = interface_towards(env.master_addr)
-        if interface is not None:
-            # else gloo binds what the hostname resolves to, which peers may not reach
-            os.environ["GLOO_SOCKET_IFNAME"] = interface
-    kwargs = {}
-    if timeout_s is not None:
-        kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
-    _destroy_group_at_exit()
-    if env.restart_count is not None:
-        # After a torchrun restart, a group built from env:// reuses the old rendezvous keys and
-        # gloo dials dead workers (pytorch issues 135712, 167288). A per-restart key prefix on
-        # the agent's store gives every incarnation a clean namespace.
-        store = dist.TCPStore(env.master_addr, env.master_port, is_master=False,
-                              timeout=datetime.timedelta(seconds=timeout_s or 300))
-        store = dist.PrefixStore(f"restart{env.restart_count}", store)
-        dist.init_process_group(backend, store=store, rank=env.rank,
-                                world_size=env.world_size, **kwargs)
-    else:
-        os.environ.setdefault("MASTER_ADDR", env.master_addr)
-        os.environ.setdefault("MASTER_PORT", str(env.master_port))
-        dist.init_process_group(backend, init_method="env://", rank=env.rank,
-                                world_size=env.world_size, **kwargs)
-    return env
-
-
-def _destroy_group_at_exit() -> None:
-    """The group we build, we take down at interpreter exit: a gloo group left to the C++
-    static destructors can abort the process ("terminate called without an active exception")
-    after the job itself succeeded, which a launcher then reports as a failed rank. The ranks
-    meet first (as shutdown_distributed does): one that tears its group down while a faster
-    peer has already closed its sockets aborts the same way (seen with scripts that end
-    without destroying the group, tests/test_ds_scripts.py). A peer that never arrives (it
-    crashed; its launcher stops the rest anyway) costs at most 30 s here, and a rank leaving
-    on an uncaught exception does not wait for the others at all."""
-    import atexit
-    import sys
-
-    def destroy():
-        if not dist.is_initialized():
-            return
-        failed = getattr(sys, "last_type", None) is not None  # set for an uncaught exception
-        try:
-            if dist.get_world_size() > 1 and not failed:
-                if dist.get_backend() == "gloo":
-                    dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
-                else:
-                    dist.barrier()
-        except Exception:  # noqa: BLE001 - exiting anyway; the group still goes
-            pass
-        dist.destroy_process_group()
-    atexit.register(destroy)
-
-
-def shutdown_distributed(comm: "Comm") -> None:
-    """End of a job that joined the group itself: every rank reaches this point, then the group
-    is taken down while all peers are still connected. A rank whose peers closed their sockets
-    while it was still tearing its gloo group down can abort ("terminate called without an
-    active exception") after the job itself succeeded."""
-    if dist.is_available() and dist.is_initialized():
-        comm.barrier(what="the end of the job")
-        dist.destroy_process_group()
-
-
-class CollectiveError(RuntimeError):
-    """A collective that could not complete: it timed out waiting for another rank, or a peer
-    went away. The message names the operation, what it carried and the step."""
 
 
 # How torch/gloo word a collective that waited too long or lost its peer.
@@ -139,7 +46,7 @@ def _pick(*names: str):
     return None
 
 
-class Comm:
+class Comm(QuantizedCollectives):
     """Collectives over one process group (the default group unless told otherwise)."""
 
     def __init__(self, group=None, timeout_s: float | None = None):
@@ -421,121 +328,6 @@ class Comm:
                 if t is not None:
                     batch.append(t)
 
-    # -- quantized collectives (ZeRO++ qwZ / qgZ; the wire format: ops/quantize.py) ---------
-    def all_gather_quantized(self, output: torch.Tensor, input: torch.Tensor, block: int,
-                             async_op: bool = False, role: StreamRole = GATHER,
-                             what="") -> Handle:
-        """all_gather with each rank's input sent as blockwise int8 + fp32 scales: every rank
-        (the sender too) gets the same dequantized values, each within max|its block| / 254
-        of the sent one; ~0.5x the bytes of a bf16 gather, ~0.25x of fp32 (kind
-        "all_gather_int8")."""
-        if self.world_size == 1:
-            if output.data_ptr() != input.data_ptr():
-                output.copy_(input)
-            return Handle()
-        n = input.numel()
-        piece = quantize.piece_bytes(n, block)
-        send = torch.empty(piece, dtype=torch.uint8, device=input.device)
-        recv = torch.empty(piece * self.world_size, dtype=torch.uint8, device=input.device)
-
-        def issue(a: bool) -> Handle:
-            quantize.pack(input, block, send)
-            return self._all_gather_any(recv, send, a, kind="all_gather_int8")
-
-        def unpack() -> None:
-            rows = recv.view(self.world_size, piece)
-            for r in range(self.world_size):
-                quantize.unpack(rows[r], n, block, output[r * n:(r + 1) * n])
-
-        handle = self._issue("all_gather_int8", what, role, [output, input, send, recv],
-                             async_op, issue).then(unpack)
-        if not async_op:
-            handle.wait()
-        return handle
-
-    def reduce_scatter_quantized(self, output: torch.Tensor, input: torch.Tensor, block: int,
-                                 op: str = "avg", async_op: bool = False, what="") -> Handle:
-        """reduce_scatter with every chunk sent to its owner as blockwise int8 + fp32 scales
-        (one all-to-all): the owner sums its own chunk exactly and the others' dequantized, in
-        fp32. Each sender's part is off by at most max|its block| / 254 per element, so the
-        mean is off by at most the mean of those bounds over the senders (kind
-        "reduce_scatter_int8")."""
-        if self.world_size == 1:
-            return self.reduce_scatter(output, input, op, async_op, what=what)
-        n = output.numel()
-        chunks = [input[r * n:(r + 1) * n] for r in range(self.world_size)]
-        total = torch.empty(n, dtype=torch.float32, device=input.device)
-        handle = self._exchange_quantized(chunks, total, chunks[self.rank], block, what,
-                                          async_op).then(self._mean_into(output, total, op))
-        if not async_op:
-            handle.wait()
-        return handle
-
-    def _mean_into(self, output: torch.Tensor, total: torch.Tensor, op: str):
-        def finish() -> None:
-            if op == "avg":
-                total.div_(self.world_size)
-            output.copy_(total)
-        return finish
-
-    def reduce_scatter_quantized_2hop(self, output: torch.Tensor, input: torch.Tensor,
-                                      block: int, node: "Comm", across: "Comm",
-                                      op: str = "avg", async_op: bool = False,
-                                      what="") -> Handle:
-        """reduce_scatter over this group laid out as ``across.world_size`` nodes of
-        ``node.world_size`` consecutive ranks, int8 on both hops (ZeRO++ qgZ's hierarchy):
-        inside the node each rank collects, from its node peers, the partial sums of the
-        chunks owned by the ranks with its own local index on every node (int8 all-to-all,
-        run now: node links are fast), then sends each such partial sum to its owner across
-        the nodes (int8 all-to-all, asynchronous). Per node, about a quarter of an fp32
-        ring's bytes cross nodes (half of bf16's), where a one-hop all-to-all would send K
-        times that. Error: two quantizations, each within max|block| / 254 of its input."""
-        K, M, n = node.world_size, across.world_size, output.numel()
-        if K * M != self.world_size or node.world_size == 1 or across.world_size == 1:
-            return self.reduce_scatter_quantized(output, input, block, op, async_op, what)
-        local, me = node.rank, across.rank
-        chunks = input.view(M, K, n)  # chunk of global rank m*K + l at [m, l]
-        partial = torch.empty(M * n, dtype=torch.float32, device=input.device)
-        # hop 1 (inside the node): partial[m] = sum over the node of chunk (m, local)
-        for_peer = [chunks[:, peer].reshape(-1) for peer in range(K)]
-        node._exchange_quantized(for_peer, partial, for_peer[local], block, what).wait()
-        # hop 2 (across nodes): my chunk = sum over nodes of their partial[me]
-        rows = [partial[m * n:(m + 1) * n] for m in range(M)]
-        total = torch.empty(n, dtype=torch.float32, device=input.device)
-        handle = across._exchange_quantized(rows, total, rows[me], block, what,
-                                            async_op=async_op).then(
-            self._mean_into(output, total, op))
-        if not async_op:
-            handle.wait()
-        return handle
-
-    def _exchange_quantized(self, for_rank: list[torch.Tensor], out: torch.Tensor,
-                            own: torch.Tensor, block: int, what, async_op: bool = False
-                            ) -> Handle:
-        """All-to-all of int8: rank r gets ``for_rank[r]`` of every rank; ``out`` (fp32) =
-        ``own`` exactly + the others' dequantized, once the returned handle is waited for.
-        Counted as "reduce_scatter_int8"."""
-        world, n = self.world_size, own.numel()
-        piece = quantize.piece_bytes(n, block)
-        send = torch.empty(piece * world, dtype=torch.uint8, device=own.device)
-        recv = torch.empty_like(send)
-        rows_out, rows_in = send.view(world, piece), recv.view(world, piece)
-
-        def issue(a: bool) -> Handle:
-            for r in range(world):
-                if r != self.rank:
-                    quantize.pack(for_rank[r], block, rows_out[r])
-            self._count("reduce_scatter_int8", send.numel(), 1.0)
-            return Handle(dist.all_to_all_single(recv, send, group=self.group, async_op=a))
-
-        def combine() -> None:
-            out.copy_(own)
-            for r in range(world):
-                if r != self.rank:
-                    quantize.unpack(rows_in[r], n, block, out, accumulate=True)
-        return self._issue("reduce_scatter_int8", what, REDUCE, [out, own, send, recv],
-                           async_op, issue).then(combine)
-
     def open_check_group(self) -> None:
         """Collective: a second (gloo, host-side) group for ``gather_ints``. Checks on the
         model's own group would queue behind its asynchronous collectives (a prefetch, a
@@ -543,11 +335,22 @@ class Comm:
         synchronise the host with the device."""
         if self.world_size == 1 or self._check_group is not None:
             return
+        self._check_group = self._gloo_group_of_same_ranks()
+
+    def _gloo_group_of_same_ranks(self):
         ranks = None if self.group is None else dist.get_process_group_ranks(self.group)
         kwargs = {}
         if self.timeout_s is not None:
             kwargs["timeout"] = datetime.timedelta(seconds=self.timeout_s)
-        self._check_group = dist.new_group(ranks=ranks, backend="gloo", **kwargs)
+        return dist.new_group(ranks=ranks, backend="gloo", **kwargs)
+
+    def host_side_twin(self) -> "Comm":
+        """Collective: a Comm over a new gloo group of the same ranks, for host-side exchanges
+        that must not queue behind this group's collectives (the checkpoint protocol's reports
+        from a background writer)."""
+        if self.world_size == 1:
+            return self
+        return Comm(self._gloo_group_of_same_ranks(), self.timeout_s)
 
     def gather_ints(self, values: list[int], what="", async_op: bool = False):
         """Every rank's ``values`` (same length everywhere) over the check group

@@ -103,7 +103,8 @@ def resolve_shard_size(requested, world_size: int, stage: int,
         size = ranks_per_node(environ)
         if size is None:
             raise ConfigError(f"{key} is \"auto\" (the ranks of one node), but no launcher "
-                             f"variable says how many ranks a node runs ({', '.join(_LOCAL_SIZE_VARS)}"
+                             "variable says how many ranks a node runs ("
+                             f"{', '.join(_LOCAL_SIZE_VARS)}"
                              "): give the number instead")
         where = f"\"auto\" (LOCAL_WORLD_SIZE etc.: {size} ranks per node)"
     else:
