@@ -3,16 +3,11 @@ or two): blockwise int8 + fp32 scales on the wire (the format: ops/quantize.py),
 the plain collectives and the accounting of the ``Comm`` they are mixed into."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 
 from ..ops import quantize
 from .handles import GATHER, REDUCE, Handle, StreamRole
-
-if TYPE_CHECKING:
-    from .comm import Comm
 
 
 class QuantizedCollectives:
@@ -76,7 +71,8 @@ class QuantizedCollectives:
         return finish
 
     def reduce_scatter_quantized_2hop(self, output: torch.Tensor, input: torch.Tensor,
-                                      block: int, node: "Comm", across: "Comm",
+                                      block: int, node: QuantizedCollectives,
+                                      across: QuantizedCollectives,
                                       op: str = "avg", async_op: bool = False,
                                       what="") -> Handle:
         """reduce_scatter over this group laid out as ``across.world_size`` nodes of
