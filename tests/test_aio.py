@@ -88,9 +88,9 @@ def test_swap_dirs_are_private_and_cleaned(tmp_path):
     import subprocess
     import sys
 
-    from zeroengine.core.swap_files import ROOT_NAME, SwapDir
+    from zeroengine.core.offload.swap_files import ROOT_NAME, SwapDir
     # a process that makes its swap directory, writes into it, and is killed mid-run
-    code = ("import sys, time; from zeroengine.core.swap_files import SwapDir; "
+    code = ("import sys, time; from zeroengine.core.offload.swap_files import SwapDir; "
             f"d = SwapDir({str(tmp_path)!r}, 3); open(d.file('master.bin'), 'wb').write(b'x'); "
             "print(d.path, flush=True); time.sleep(60)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

@@ -15,8 +15,8 @@ import zeroengine
 from zeroengine import ConfigError
 from zeroengine.config import parse_config, resolve_auto
 from zeroengine.config_reference import reference_markdown
-from zeroengine.core.optimizer_factory import optimizer_from_config
-from zeroengine.core.schedulers import scheduler_from_config
+from zeroengine.core.optim.factory import optimizer_from_config
+from zeroengine.core.optim.schedulers import scheduler_from_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

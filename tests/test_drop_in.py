@@ -584,7 +584,8 @@ def clip_redirect_lifetime(_):
     import torch.nn.utils as utils
 
     import zeroengine
-    from zeroengine.core import drop_in, registry
+    from zeroengine.core import registry
+    from zeroengine.core.compat import drop_in
     torch_fn = drop_in._torch_clip_grad_norm_
     seen = {"import changes nothing": utils.clip_grad_norm_ is torch_fn}
     early = utils.clip_grad_norm_  # `from torch.nn.utils import clip_grad_norm_` at the top

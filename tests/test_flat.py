@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis_profiles import examples
 
-from zeroengine.core.layout import FlatBuffer, FlatLayout
+from zeroengine.core.layout.partition import FlatBuffer, FlatLayout
 from zeroengine.ops import flatten as flatten_ops
 
 shapes_st = st.lists(st.lists(st.integers(0, 9), min_size=0, max_size=3), min_size=1,
@@ -143,7 +143,7 @@ def test_fetch_units_group_consecutive_modules_up_to_the_target(sizes, target, d
     """stage3_fetch_unit_size: owners (module indices) grouped in order, each unit within the
     target unless it is one module, no unit that could have taken its successor, 0 = one unit
     per module; parameters of one module always share a unit."""
-    from zeroengine.core.param_layout import fetch_units
+    from zeroengine.core.layout.param_layout import fetch_units
     # parameters in reverse module order, as the engine lays them out; 1-3 per module
     counts = [data.draw(st.integers(1, 3)) for _ in sizes]
     owners = [m for m in reversed(range(len(sizes))) for _ in range(counts[m])]

@@ -104,8 +104,8 @@ CASES = [("fp32", s, "adamw", 1.0) for s in (0, 1, 2, 3)] + \
 def train_with_fused_step(cases):
     """test_precision's training, with the inner optimizer FusedAdam on its PyTorch path (on a
     GPU the engine picks it itself, with the kernels)."""
-    import zeroengine.core.sharded_optimizer as engine_optim
-    from zeroengine.core.optimizer_factory import cpu_adam_mode
+    import zeroengine.core.optim.sharded_optimizer as engine_optim
+    from zeroengine.core.optim.factory import cpu_adam_mode
 
     def fused_inner(base, groups, device):
         d = base.defaults
@@ -135,7 +135,7 @@ def resume_across_optimizers(root: str, stage: int):
     from harness import make_optimizer, param_groups, precision_config, run_step
 
     import zeroengine
-    import zeroengine.core.sharded_optimizer as engine_optim
+    import zeroengine.core.optim.sharded_optimizer as engine_optim
 
     def engine_with(inner_builder):
         engine_optim.build_device_inner = inner_builder

@@ -8,7 +8,7 @@ from hypothesis_profiles import examples
 
 from zeroengine import LossScaleFloorError
 from zeroengine.config import parse_config
-from zeroengine.core.precision import LossScaler
+from zeroengine.core.optim.precision import LossScaler
 
 
 def dynamic(**kw):

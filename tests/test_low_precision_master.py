@@ -13,8 +13,8 @@ from harness import train_engine
 import zeroengine
 from zeroengine import ConfigError
 from zeroengine.config import parse_config
-from zeroengine.core.master_bits import join_master, split_master
-from zeroengine.core.precision import OptimizerPrecision
+from zeroengine.core.layout.master_bits import join_master, split_master
+from zeroengine.core.optim.precision import OptimizerPrecision
 from zeroengine.testing import run_ranks
 
 STEPS = 6
@@ -45,7 +45,7 @@ def weights(engine) -> dict[str, torch.Tensor]:
 # -- remainders ------------------------------------------------------------------------------
 @pytest.mark.parametrize("extension", [True, False], ids=["c++", "pytorch"])
 def test_remainders_rebuild_every_fp32_value_except_even_ties(monkeypatch, extension):
-    from zeroengine.core import master_bits
+    from zeroengine.core.layout import master_bits
     if not extension:  # the PyTorch path (a GPU's)
         monkeypatch.setattr(master_bits, "_ext", None)
     else:
@@ -74,7 +74,7 @@ def test_remainders_rebuild_every_fp32_value_except_even_ties(monkeypatch, exten
 
 
 def _fp32_vs_remainders(stage: int, offload: bool, optimizer: str, window: int | None = None):
-    from zeroengine.core import sharded_optimizer
+    from zeroengine.core.optim import sharded_optimizer
     if window is not None:  # sub-groups of a few segments: masters rebuilt a window at a time
         sharded_optimizer.REMAINDER_WINDOW = window
     out = []
@@ -465,7 +465,7 @@ def _across_formats(save_dir: str):
     out["warned"] = [str(w.message) for w in caught if "rounds" in str(w.message)]
     out["back"] = probe_weights(engine)
     engine.close()
-    from zeroengine.checkpoint.format import consolidated_state_dict
+    from zeroengine.checkpoint.consolidate import consolidated_state_dict
     out["consolidated"] = consolidated_state_dict(os.path.join(save_dir, "low"))
     return out
 

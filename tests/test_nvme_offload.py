@@ -23,7 +23,7 @@ from harness import (
 
 import zeroengine
 from zeroengine import ConfigError
-from zeroengine.core.swap_files import ROOT_NAME
+from zeroengine.core.offload.swap_files import ROOT_NAME
 from zeroengine.testing import run_ranks
 
 STEPS = 4
@@ -255,8 +255,8 @@ def test_nvme_demo_runs_under_its_cap(tmp_path):
 def save_and_load_in_tiles(root):
     """Save and load with every whole-shard path made to fail: an NVMe run's checkpoint never
     holds the rank's master or state whole in memory."""
-    from zeroengine.core.flat_param_group import FlatParamGroup
-    from zeroengine.core.sharded_optimizer import ShardedOptimizer
+    from zeroengine.core.layout.flat_param_group import FlatParamGroup
+    from zeroengine.core.optim.sharded_optimizer import ShardedOptimizer
 
     def refuse(*args, **kwargs):
         raise AssertionError("a whole shard was built")
@@ -364,7 +364,7 @@ def as_if_on_a_gpu(path, stage, device):
     """The CUDA layout on this machine: the chunks the model computes with count as device
     memory, so the optimizer's bf16 values go through host staging to them (with NVMe: the
     tile's slot instead of a shard-sized buffer)."""
-    from zeroengine.core.optimizer_offload import OptimizerOffload
+    from zeroengine.core.offload.optimizer_offload import OptimizerOffload
     OptimizerOffload._chunk_on_host = staticmethod(lambda g: False)
     engine, losses = train_engine(nvme_config(stage, "bf16", device, path, pipeline=True),
                                   "adamw", STEPS, 2)

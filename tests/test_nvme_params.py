@@ -15,8 +15,8 @@ from hypothesis_profiles import examples
 
 import zeroengine
 from zeroengine import ConfigError
-from zeroengine.core.param_swap import ParamSwap
-from zeroengine.core.swap_files import ROOT_NAME, SwapDir
+from zeroengine.core.offload.param_swap import ParamSwap
+from zeroengine.core.offload.swap_files import ROOT_NAME, SwapDir
 from zeroengine.ops.aio import AsyncFileIO
 from zeroengine.testing import run_ranks
 

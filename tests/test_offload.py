@@ -11,7 +11,7 @@ from harness import make_model, make_optimizer, max_relative_error, param_groups
 
 import zeroengine
 from zeroengine import ConfigError
-from zeroengine.core.optimizer_factory import cpu_adam_mode
+from zeroengine.core.optim.factory import cpu_adam_mode
 from zeroengine.testing import run_ranks
 
 STEPS = 5

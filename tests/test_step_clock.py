@@ -1,4 +1,4 @@
-"""One step clock (core/step_clock.py): every way a loop completes an optimizer step - the
+"""One step clock (core/compat/step_clock.py): every way a loop completes an optimizer step - the
 rows of README's "A loop written for DDP" table - advances the same counters, steps the
 config's scheduler, writes the same monitor rows and progress lines and tags checkpoints as the
 same run through engine.step() does; at stages 0-3, with an fp16 overflow and an

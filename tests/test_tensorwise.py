@@ -23,14 +23,14 @@ from hypothesis import strategies as st
 from hypothesis_profiles import examples
 
 import zeroengine
-from zeroengine.core.layout import FlatLayout
-from zeroengine.core.optimizer_kind import (
+from zeroengine.core.layout.partition import FlatLayout
+from zeroengine.core.optim.kind import (
     ELEMENTWISE,
     TENSORWISE,
     OptimizerKindError,
     optimizer_kind,
 )
-from zeroengine.core.owner_partition import OwnerPartition
+from zeroengine.core.optim.owner_partition import OwnerPartition
 from zeroengine.ops import CPUAdam, Lamb
 from zeroengine.testing import run_ranks
 
@@ -103,7 +103,7 @@ def kind_of(optimizer):
                                   "NAdam", "RAdam", "Rprop", "ASGD", "Adadelta"])
 def test_torch_elementwise_optimizers_pass_the_probe(name):
     """The known list and the probe agree on every elementwise torch optimizer."""
-    from zeroengine.core.optimizer_kind import probe_kind
+    from zeroengine.core.optim.kind import probe_kind
     params = [torch.zeros(4, 3), torch.zeros(5)]
     opt = getattr(torch.optim, name)(params, lr=0.01)
     assert kind_of(opt) == ELEMENTWISE
@@ -111,7 +111,7 @@ def test_torch_elementwise_optimizers_pass_the_probe(name):
 
 
 def test_tensorwise_optimizers_are_recognised():
-    from zeroengine.core.optimizer_kind import probe_kind
+    from zeroengine.core.optim.kind import probe_kind
     matrix = [torch.zeros(4, 3)]
     for opt in (torch.optim.Muon(matrix), torch.optim.Adafactor(matrix + [torch.zeros(5)]),
                 Lamb(matrix), NormalizedSGD(matrix), AdamWSubclass(matrix)):
@@ -354,7 +354,7 @@ def test_state_and_exchange_bytes_follow_the_partition():
 def test_config_lamb_and_cpu_adam_kinds():
     """DeepSpeed's "Lamb" config type builds zeroengine's LAMB; CPUAdam stays elementwise."""
     from zeroengine.config import OptimizerConfig
-    from zeroengine.core.optimizer_factory import optimizer_from_config
+    from zeroengine.core.optim.factory import optimizer_from_config
     model = make_model()
     opt = optimizer_from_config(OptimizerConfig(type="Lamb", params={"lr": 1e-3}),
                                 model.parameters())
@@ -395,7 +395,7 @@ def test_checkpoint_reshards_and_resumes_exactly(tmp_path, name):
     root = str(tmp_path / "ckpt")
     path, saved = run_ranks(2, train_then_save, root, name, 2, 2)[0]
     # the files alone consolidate to the weights the engine held (no engine, no world size)
-    from zeroengine.checkpoint.format import consolidated_state_dict
+    from zeroengine.checkpoint.consolidate import consolidated_state_dict
     assert max_rel_error(consolidated_state_dict(path), saved) == 0.0
     # a resumed run at world W reads W ranks' batches: its reference takes the same ones
     for world, stage, offload in ((3, 3, False), (1, 1, True)):

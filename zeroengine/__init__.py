@@ -16,16 +16,16 @@ import torch.nn as nn
 from ._version import __version__
 from .config import Config, model_hidden_size, parse_config, resolve_auto, to_dict
 from .config_policy import notice
-from .core import deferred_params
-from .core.compiled import check_compile_args
+from .core.compat.compiled import check_compile_args
 from .core.engine import ZeroEngine
-from .core.gathered import gathered_parameters
-from .core.optimizer_chain import OptimizerChain
-from .core.optimizer_factory import optimizer_from_config
-from .core.optimizer_kind import declare_optimizer, optimizer_kind
-from .core.schedulers import scheduler_from_config
+from .core.layout import deferred_params
+from .core.optim.chain import OptimizerChain
+from .core.optim.factory import optimizer_from_config
+from .core.optim.kind import declare_optimizer, optimizer_kind
+from .core.optim.schedulers import scheduler_from_config
 from .core.sharding import Sharding
-from .core.zero_init import zero_init
+from .core.stage3.gathered import gathered_parameters
+from .core.stage3.zero_init import zero_init
 from .distributed.bootstrap import init_distributed
 from .distributed.comm import Comm
 from .distributed.consistency import check_rank_consistency
@@ -139,7 +139,7 @@ def initialize(model: nn.Module, config, optimizer: torch.optim.Optimizer | None
     ``model.parameters()`` (its class and hyperparameters are kept, its state re-created on the
     shards), a list of them over disjoint parameters (e.g. ``[Muon(matrices), AdamW(rest)]``),
     or None to build the config's. Elementwise optimizers step flat shards; tensor-wise ones
-    (Muon, Adafactor, LAMB, ...) step whole parameters, each on one rank (optimizer_kind.py).
+    (Muon, Adafactor, LAMB, ...) step whole parameters, each on one rank (optim/kind.py).
     ``lr_scheduler``: a torch scheduler over that
     optimizer, or None to build the config's "scheduler" (if any).
     ``weights``: safetensors weights to start from (a file, a directory holding

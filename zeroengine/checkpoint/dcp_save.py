@@ -20,7 +20,7 @@ import shutil
 
 import torch
 
-from ..core.compiled import uncompiled
+from ..core.compat.compiled import uncompiled
 from . import format as fmt
 from .dcp_format import ZEROENGINE_KEY
 from .format import CheckpointError

@@ -17,7 +17,7 @@ import warnings
 
 import torch
 
-from ..core.compiled import uncompiled
+from ..core.compat.compiled import uncompiled
 from . import format as fmt
 from .hf_layout import INDEX, file_names, owning, parse_dtype, parse_size, write_index
 from .sharded import refuse_unsupported_layouts, unsupported_layout

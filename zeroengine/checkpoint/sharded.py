@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..core.compiled import uncompiled
-from ..core.precision import FP32_MASTER, LOW_MASTER, REMAINDER_MASTER
+from ..core.compat.compiled import uncompiled
+from ..core.optim.precision import FP32_MASTER, LOW_MASTER, REMAINDER_MASTER
 from . import format as fmt
 from .commit import agree, attempt
 from .format import CheckpointError
@@ -350,7 +350,7 @@ def _check_deepspeed_scheduler(engine, state: dict, path: str) -> None:
     """A DeepSpeed config scheduler's position (``last_batch_iteration``) goes into the same
     schedule here (the lr of each group comes with the optimizer's param groups); another
     scheduler cannot take it."""
-    from ..core.schedulers import DEEPSPEED_SCHEDULERS
+    from ..core.optim.schedulers import DEEPSPEED_SCHEDULERS
     sched = engine.lr_scheduler
     if sched is None:
         return

@@ -37,21 +37,27 @@ from ..distributed.comm import Comm
 from ..distributed.topology import Topology
 from ..monitor import Monitor
 from ..ops.quantize import DEFAULT_BLOCK as QUANT_BLOCK
-from . import compiled, gathered
-from .compiled import uncompiled
-from .deferred_params import is_deferred
-from .drop_in import ForwardGuard, redirect_optimizer, register_parameters, unregister_parameters
+from .compat import compiled
+from .compat.compiled import uncompiled
+from .compat.drop_in import (
+    ForwardGuard,
+    redirect_optimizer,
+    register_parameters,
+    unregister_parameters,
+)
+from .compat.step_clock import StepClock
 from .engine_queries import EngineQueries
 from .grad_reducer import GradReducer, ReduceSettings
-from .host_memory import heap_free_bytes
-from .optimizer_offload import OptimizerOffload
-from .param_fetcher import ParamFetcher, auto_window
-from .param_layout import element_index, lay_out_parameters, report_persistence
-from .precision import LossScaler, OptimizerPrecision, Precision
-from .sharded_optimizer import ShardedOptimizer, StepSettings
+from .layout.deferred_params import is_deferred
+from .layout.param_layout import element_index, lay_out_parameters, report_persistence
+from .offload.host_memory import heap_free_bytes
+from .offload.optimizer_offload import OptimizerOffload
+from .optim.precision import LossScaler, OptimizerPrecision, Precision
+from .optim.sharded_optimizer import ShardedOptimizer, StepSettings
 from .sharding import Sharding
-from .step_clock import StepClock
-from .zero_init import is_sharded
+from .stage3 import gathered
+from .stage3.param_fetcher import ParamFetcher, auto_window
+from .stage3.zero_init import is_sharded
 
 
 class ZeroEngine(EngineQueries):
@@ -191,7 +197,7 @@ class ZeroEngine(EngineQueries):
 
     def _swap_dir(self, section: str, nvme_path: str):
         """This rank's swap directory under ``nvme_path`` (offload_<section>.nvme_path)."""
-        from .swap_files import SwapDir
+        from .offload.swap_files import SwapDir
         if not os.path.isdir(nvme_path):  # a typo must not swap to another drive
             raise ConfigError(f"zero_optimization.{section}.nvme_path {nvme_path!r} is not a "
                               f"directory on rank {self.comm.rank}; create it on the drive to "
@@ -208,7 +214,7 @@ class ZeroEngine(EngineQueries):
 
     def _nvme_swap(self, config: Config):
         """NVMe offload of the optimizer: master and state in swap files under nvme_path."""
-        from .optimizer_swap import OptimizerSwap
+        from .offload.optimizer_swap import OptimizerSwap
         off = config.zero_optimization.offload_optimizer
         return OptimizerSwap(self._swap_dir("offload_optimizer", off.nvme_path),
                              self._file_io(config), pipeline_read=off.pipeline_read,
@@ -217,7 +223,7 @@ class ZeroEngine(EngineQueries):
     def _param_swap(self, config: Config):
         """NVMe offload of stage-3 parameters: the shard in swap files, a cache of max_in_cpu
         elements in memory, buffer_count x buffer_size elements read ahead."""
-        from .param_swap import ParamSwap
+        from .offload.param_swap import ParamSwap
         off = config.zero_optimization.offload_param
         return ParamSwap(self._swap_dir("offload_param", off.nvme_path),
                          self._file_io(config), max_in_cpu=off.max_in_cpu,
@@ -369,7 +375,7 @@ class ZeroEngine(EngineQueries):
 
     def compile(self, backend: str = "inductor", compile_kwargs: dict | None = None,
                 compiled_autograd_enabled: bool = False) -> None:
-        """DeepSpeed's verb: torch.compile the model's forward (core/compiled.py), the engine's
+        """DeepSpeed's verb: torch.compile the model's forward (compat/compiled.py), the engine's
         hooks staying outside the graph. ``compile_kwargs``: torch.compile's other arguments
         (mode, dynamic, fullgraph, options). Compiled autograd is refused (see
         compiled.check_compiled_autograd)."""

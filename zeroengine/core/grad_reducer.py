@@ -28,14 +28,15 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from ..distributed.comm import Comm
 from ..distributed.handles import Handle
-from .flat_param_group import FlatParamGroup
-from .host_memory import zeros_on_demand
-from .layout import FlatBuffer
+from .layout.flat_param_group import FlatParamGroup
+from .layout.partition import FlatBuffer
+from .offload.host_memory import zeros_on_demand
 from .sharding import Sharding
 
 
@@ -79,6 +80,25 @@ class ReductionState:
     in_flight: list[Bucket] = field(default_factory=list)  # launched, in launch order
 
 
+class PassListener(Protocol):
+    """What stage 3 (ParamFetcher) hears from the reducer during backward."""
+
+    def grads_taken(self, group: FlatParamGroup, segment: int) -> None:
+        """Every parameter of the segment has its gradient: backward needs it no more."""
+
+    def end_of_pass(self) -> None:
+        """Backward ended (all its buckets are launched)."""
+
+
+class ReducedGradListener(Protocol):
+    """What the optimizer offload (OptimizerOffload) hears from the reducer."""
+
+    def grad_reduced(self, group: FlatParamGroup, segment: int, grad: torch.Tensor,
+                     final: bool) -> None:
+        """The rank's reduced gradient of a segment landed in its owned chunk; ``final``: no
+        backward changes it before the step."""
+
+
 @dataclass(frozen=True)
 class ReduceSettings:
     """How gradients are reduced (the config's keys, resolved once by the engine)."""
@@ -91,13 +111,15 @@ class ReduceSettings:
 
 
 class GradReducer:
-    """Reduces gradients during backward, bucket by bucket, and tells its collaborators:
-    ``fetcher`` (stage 3) when a segment's gradients are all taken and when backward ends,
-    ``offload`` when a bucket's reduced gradient has landed in the rank's owned chunk."""
+    """Reduces gradients during backward, bucket by bucket, and tells its listeners:
+    ``fetcher`` (stage 3, a PassListener) when a segment's gradients are all taken and when
+    backward ends, ``offload`` (a ReducedGradListener) when a bucket's reduced gradient has
+    landed in the rank's owned chunk."""
 
     def __init__(self, groups: list[FlatParamGroup], comm: Comm, sharding: Sharding,
                  settings: ReduceSettings, *, param_order: dict[int, int] | None = None,
-                 fetcher=None, offload=None, replicas: Comm | None = None,
+                 fetcher: PassListener | None = None,
+                 offload: ReducedGradListener | None = None, replicas: Comm | None = None,
                  hierarchy: tuple[Comm, Comm] | None = None):
         """``comm``: the ranks a group is sharded over; ``replicas`` (hybrid sharding): the
         ranks holding the same shard in the other shard groups, across which each reduced

@@ -81,7 +81,7 @@ def _optimizer(optimizer, model_parameters, model, raw: dict):
                               "inference, which zeroengine does not wrap; add an \"optimizer\" "
                               "section or pass optimizer=")
         from ..config import parse_config
-        from ..core.optimizer_factory import optimizer_from_config
+        from ..core.optim.factory import optimizer_from_config
         section = parse_config({"optimizer": raw.pop("optimizer")}).optimizer
         return optimizer_from_config(section, params)
     if raw.get("optimizer") is not None:

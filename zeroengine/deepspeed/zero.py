@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import contextlib
 
-from ..core.gathered import gathered_parameters
-from ..core.zero_init import zero_init
+from ..core.stage3.gathered import gathered_parameters
+from ..core.stage3.zero_init import zero_init
 from ._missing import missing
 
 

@@ -234,7 +234,7 @@ class ZeroTrainer(Trainer):
                 isinstance(self._zero_config.get("optimizer"), dict):
             # the config's optimizer, as DeepSpeed builds it from the config
             from ..config import parse_config
-            from ..core.optimizer_factory import optimizer_from_config
+            from ..core.optim.factory import optimizer_from_config
             section = parse_config({"optimizer": self._zero_config["optimizer"]}).optimizer
             self.optimizer = optimizer_from_config(
                 section, [p for p in self.model.parameters() if p.requires_grad])
@@ -265,7 +265,7 @@ class ZeroTrainer(Trainer):
             section = (self._zero_config or {}).get("scheduler")
             if isinstance(section, dict):
                 from ..config import parse_config
-                from ..core.schedulers import scheduler_from_config
+                from ..core.optim.schedulers import scheduler_from_config
                 inner = scheduler_from_config(parse_config({"scheduler": section}).scheduler,
                                               self._zero_engine.optimizer)
             else:

@@ -25,7 +25,7 @@ import os
 import warnings
 
 from ..checkpoint.weight_files import WeightFiles, read_header
-from ..core.deferred_params import FileSource
+from ..core.layout.deferred_params import FileSource
 
 _saved = None
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from .cpu_adam import CPUAdam, _adam_torch
+from .cpu_adam import CPUAdam
 from .extensions import load_cuda_kernels
+from .torch_adam import adam_torch as _adam_torch
 
 
 class FusedAdam(CPUAdam):

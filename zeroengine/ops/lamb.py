@@ -3,7 +3,7 @@ config keys: Adam's moments, then each parameter's update scaled by its own trus
 ||w|| / ||update||, clamped to [min_coeff, max_coeff] (1 where either norm is 0).
 
 The trust ratio needs the whole parameter, so LAMB is tensor-wise: zeroengine steps each
-parameter whole on one rank (core/owner_step.py). Plain torch ops, any device.
+parameter whole on one rank (core/optim/owner_step.py). Plain torch ops, any device.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 
 class Lamb(torch.optim.Optimizer):
-    zeroengine_update = "tensorwise"  # core/optimizer_kind.py: no probe needed
+    zeroengine_update = "tensorwise"  # core/optim/kind.py: no probe needed
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, bias_correction: bool = True,

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from .torch_adam import adam_torch
+
 _M32 = 0xFFFFFFFF
 
 
@@ -69,7 +71,6 @@ def adam_step_lowp(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step, adamw,
                    bias_correction, grad_coef=1.0, stochastic=False, seed=0, runs=None,
                    low=None) -> None:
     """adam_step_mixed's semantics in PyTorch ops (see the kernel for the arguments)."""
-    from .cpu_adam import _adam_torch as adam_torch  # (cpu_adam imports this module)
     p32, m32, v32 = p.float(), m.float(), v.float()
     g32 = g.float() * grad_coef if grad_coef != 1.0 or g.dtype != torch.float32 else g
     adam_torch(p32, g32, m32, v32, lr, beta1, beta2, eps, weight_decay, step, adamw,

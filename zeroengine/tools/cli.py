@@ -14,6 +14,7 @@ import sys
 
 
 def _consolidate(args) -> int:
+    from ..checkpoint import consolidate
     from ..checkpoint import format as fmt
     from ..checkpoint.hf_layout import parse_dtype, parse_size
     from ..checkpoint.sources import is_checkpoint, open_checkpoint
@@ -28,14 +29,14 @@ def _consolidate(args) -> int:
         return 2
     source = open_checkpoint(path)  # read once: DeepSpeed's pickles are parsed here
     # a tensor at a time, a file at a time: about one output file in memory
-    written = fmt.write_consolidated(source, args.out, limit, dtype)
+    written = consolidate.write_consolidated(source, args.out, limit, dtype)
     hf_config = source.meta.get("hf_config")
     if hf_config is not None:  # saved from a transformers model: make the directory loadable
         fmt.write_json_atomic(os.path.join(args.out, "config.json"), hf_config)
         written.append(os.path.join(args.out, "config.json"))
     if args.pt:  # one torch.save'd dict: this one holds the whole model in memory
         import torch
-        state = fmt.consolidated_state_dict(source)
+        state = consolidate.consolidated_state_dict(source)
         torch.save(state, os.path.join(args.out, "pytorch_model.pt"))
         written.append(os.path.join(args.out, "pytorch_model.pt"))
     print(f"{path} -> {', '.join(written)}")
@@ -49,8 +50,8 @@ def _check_config(args) -> int:
     import torch
 
     from ..config import collect_report, parse_config, resolve_auto
-    from ..core.optimizer_factory import optimizer_from_config
-    from ..core.schedulers import scheduler_from_config
+    from ..core.optim.factory import optimizer_from_config
+    from ..core.optim.schedulers import scheduler_from_config
     from .job_config import job_config
     with collect_report() as report:
         try:
@@ -85,7 +86,7 @@ def _estimate(args) -> int:
     source = f"{params:,.0f} parameters" if params else ""
     if args.config:
         cfg = parse_config(args.config)
-        from ..core.precision import OptimizerPrecision
+        from ..core.optim.precision import OptimizerPrecision
         kept = OptimizerPrecision.from_config(cfg)
         master = kept.master if master is None else master
         state_bytes = kept.states.itemsize if args.states is None else state_bytes

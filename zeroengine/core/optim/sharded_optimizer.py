@@ -22,15 +22,17 @@ from dataclasses import dataclass
 
 import torch
 
-from ..distributed.comm import Comm
-from ..distributed.handles import Handle
-from ..errors import NonFiniteGradientError
-from ..ops import CPUAdam, FusedAdam
-from .flat_param_group import FlatParamGroup
-from .grad_reducer import GradReducer
-from .host_memory import return_free_heap
-from .optimizer_chain import OptimizerChain, init_without_copying_groups
-from .optimizer_factory import (
+from ...distributed.comm import Comm
+from ...distributed.handles import Handle
+from ...errors import NonFiniteGradientError
+from ...ops import CPUAdam, FusedAdam
+from ..grad_reducer import GradReducer
+from ..layout.flat_param_group import FlatParamGroup
+from ..offload.host_memory import return_free_heap
+from ..offload.optimizer_offload import OptimizerOffload
+from ..sharding import Sharding
+from .chain import OptimizerChain, init_without_copying_groups
+from .factory import (
     IMPLEMENTATION_KEYS,
     build_device_inner,
     build_host_inner,
@@ -38,12 +40,10 @@ from .optimizer_factory import (
     build_mixed_inner,
     cpu_adam_mode,
 )
-from .optimizer_kind import TENSORWISE, optimizer_kind
-from .optimizer_offload import OptimizerOffload
-from .optimizer_shard_state import ShardStateIO
+from .kind import TENSORWISE, optimizer_kind
 from .owner_step import OwnedParams
 from .precision import LOW_MASTER, LossScaler, OptimizerPrecision
-from .sharding import Sharding
+from .shard_state import ShardStateIO
 
 logger = logging.getLogger("zeroengine")
 

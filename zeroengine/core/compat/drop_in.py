@@ -24,10 +24,10 @@ import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad as _clip_module
 
-from ..errors import ParameterReplacedError
-from . import registry
+from ...errors import ParameterReplacedError
+from .. import registry
+from ..optim.chain import OptimizerChain
 from .compiled import BucketSplit, is_compiled, uncompiled
-from .optimizer_chain import OptimizerChain
 
 
 def register_parameters(params, optimizer) -> None:
@@ -158,7 +158,7 @@ class EngineHook:
         self.fn = fn
 
     # Never traced by torch.compile: dynamo breaks the graph around an engine hook and runs it
-    # eagerly (core/compiled.py). torch._disable_dynamo imports dynamo on the first call only.
+    # eagerly (compiled.py). torch._disable_dynamo imports dynamo on the first call only.
     @torch._disable_dynamo
     def __call__(self, *args):
         return self.fn(*args)

@@ -25,8 +25,8 @@ import math
 
 import torch
 
-from ..errors import OptimizerKindError
-from ..ops import CPUAdam, FusedAdam
+from ...errors import OptimizerKindError
+from ...ops import CPUAdam, FusedAdam
 
 ELEMENTWISE = "elementwise"
 TENSORWISE = "tensorwise"

@@ -26,30 +26,61 @@ gathered on demand, and one prefetched but never used is released when the pass 
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.nn as nn
 
-from ..config import auto_stage3_window
-from ..distributed.comm import Comm
-from ..distributed.handles import GATHER, PREFETCH, Handle
-from ..errors import RankDivergenceError, ShardedParameterAccessError
-from .compiled import eager_stance, is_compiled, uncompiled
-from .drop_in import EngineHook
-from .flat_param_group import FlatParamGroup
-from .param_layout import fetching_modules, parameter_owners
+from ...config import auto_stage3_window
+from ...distributed.comm import Comm
+from ...distributed.handles import GATHER, PREFETCH, Handle
+from ...errors import RankDivergenceError, ShardedParameterAccessError
+from ..compat.compiled import eager_stance, is_compiled, uncompiled
+from ..compat.drop_in import EngineHook
+from ..layout.flat_param_group import FlatParamGroup
+from ..layout.param_layout import fetching_modules, parameter_owners
 from .sharded_param import mark_sharded, unmark_sharded
 
 Key = tuple[int, int]  # (index of the partitioned group, segment)
 
-# Why a segment is gathered, as the gather-order check compares it across ranks.
-_FORWARD, _FORWARD_NO_GRAD, _BACKWARD, _USER, _REFRESH = range(5)
+class Phase(enum.Enum):
+    """The pass under way: the fetcher records (first step) and follows (after) one gather
+    order per phase."""
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+class GatherPurpose(enum.IntEnum):
+    """Why a segment is gathered, as the gather-order check compares it across ranks (an int
+    on the wire)."""
+    FORWARD = 0
+    FORWARD_NO_GRAD = 1
+    BACKWARD = 2
+    USER = 3
+    REFRESH = 4
+
+    @property
+    def described(self) -> str:
+        return _DESCRIBED[self]
+
+
+_DESCRIBED = {GatherPurpose.FORWARD: "a forward",
+              GatherPurpose.FORWARD_NO_GRAD: "a forward without gradients (evaluation, "
+              "generation)", GatherPurpose.BACKWARD: "a backward",
+              GatherPurpose.USER: "a gathered_parameters block",
+              GatherPurpose.REFRESH: "the refresh after a step"}
 _NO_KEY = (-1, -1)  # the check at the start of a forward, before any segment
-_PURPOSES = {_FORWARD: "a forward", _FORWARD_NO_GRAD: "a forward without gradients "
-             "(evaluation, generation)", _BACKWARD: "a backward",
-             _USER: "a gathered_parameters block", _REFRESH: "the refresh after a step"}
+
+
+def _described(purpose: int) -> str:
+    """A purpose another rank sent: described, or '?' for a number this version does not
+    know."""
+    try:
+        return GatherPurpose(purpose).described
+    except ValueError:
+        return "?"
 
 
 @dataclass
@@ -158,17 +189,19 @@ class ParamFetcher:
                 mark_sharded(p, self)
         # The first step records the order of first requests, per phase (backward runs the
         # other way); later steps prefetch along it.
-        self._recording: dict[str, _Order] | None = {"forward": _Order(), "backward": _Order()}
+        # first step: the gather order seen in each phase; None once it is known
+        self._recording: dict[Phase, _Order] | None = {Phase.FORWARD: _Order(),
+                                                       Phase.BACKWARD: _Order()}
         self._ran: set[int] = set()  # modules whose forward ran while recording
-        self._orders: dict[str, list[Key]] = {"forward": [], "backward": []}
-        self._positions: dict[str, dict[Key, int]] = {"forward": {}, "backward": {}}
+        self._orders: dict[Phase, list[Key]] = {Phase.FORWARD: [], Phase.BACKWARD: []}
+        self._positions: dict[Phase, dict[Key, int]] = {Phase.FORWARD: {}, Phase.BACKWARD: {}}
         # elements gathered before each position of an order: _before[phase][i]
-        self._before: dict[str, list[int]] = {"forward": [0], "backward": [0]}
-        self._phase = "forward"
+        self._before: dict[Phase, list[int]] = {Phase.FORWARD: [0], Phase.BACKWARD: [0]}
+        self._phase = Phase.FORWARD
         # Furthest position of the current pass, per phase: a module late in the pass that uses
         # an early segment (a head tied to the embedding) must not restart the prefetch from
         # there, which gathered the whole model a second time.
-        self._reached = {"forward": -1, "backward": -1}
+        self._reached = {Phase.FORWARD: -1, Phase.BACKWARD: -1}
         self.gathers = 0  # all-gathers issued (for tests and reports)
         self._gathered_bytes = 0  # bytes of the segments gathered now
         self.peak_gathered_bytes = 0  # its high-water mark since reset_peak (memory_report)
@@ -208,7 +241,7 @@ class ParamFetcher:
             self._stance.__exit__(None, None, None)
             self._stance = None
         self._running.clear()  # a forward that raised inside never ran its post hooks
-        self._reached["forward"] = -1
+        self._reached[Phase.FORWARD] = -1
         if not torch.is_grad_enabled():  # no backward follows: drop unused prefetches now
             for entry in self.gathered.values():
                 entry.pending = None
@@ -249,7 +282,7 @@ class ParamFetcher:
         g = self.groups[gi]
         verify = None
         if self.check_order:  # compared when the gather is waited for (see _wait)
-            verify = self._check_same_gather(key, _USER if user else self._purpose(),
+            verify = self._check_same_gather(key, GatherPurpose.USER if user else self._purpose(),
                                              async_op=True)
         full = g.segment_full[s]
         full.untyped_storage().resize_(full.numel() * full.element_size())
@@ -292,17 +325,18 @@ class ParamFetcher:
         n = full.numel() // node.world_size
         self.secondary[key] = full[node.rank * n:(node.rank + 1) * n].clone()
 
-    def _purpose(self) -> int:
-        if self._phase == "backward":
-            return _BACKWARD
-        return _FORWARD if torch.is_grad_enabled() else _FORWARD_NO_GRAD
+    def _purpose(self) -> GatherPurpose:
+        if self._phase is Phase.BACKWARD:
+            return GatherPurpose.BACKWARD
+        return GatherPurpose.FORWARD if torch.is_grad_enabled() else \
+            GatherPurpose.FORWARD_NO_GRAD
 
     def check_forward_start(self) -> None:
         """Before the model's forward (and its buffer broadcast): every rank starts the same
         kind of forward. Catches rank-0-only evaluation before any collective can mismatch."""
         self._check_same_gather(_NO_KEY, self._purpose())
 
-    def _check_same_gather(self, key: Key, purpose: int, async_op: bool = False):
+    def _check_same_gather(self, key: Key, purpose: GatherPurpose, async_op: bool = False):
         """Every rank must gather the same segment for the same purpose (each gather is a
         collective): exchange (check number, segment, purpose) on the host-side check group and
         raise on every rank, with what each was doing, if they differ. With ``async_op`` the
@@ -310,7 +344,7 @@ class ParamFetcher:
         values are used only after it passed (``_wait``), so mismatched gathers - same sizes
         pair silently - never reach the model."""
         self._checks += 1
-        rows = self.comm.gather_ints([self._checks, key[0], key[1], purpose],
+        rows = self.comm.gather_ints([self._checks, key[0], key[1], int(purpose)],
                                      what="the stage-3 gather-order check", async_op=async_op)
         if async_op:
             return lambda: self._compare(rows())
@@ -332,7 +366,7 @@ class ParamFetcher:
         doing = "; ".join(
             f"rank {r}: " + ("starting" if (gi, s) == _NO_KEY else
                              f"gathering {self._names_of((gi, s))} for")
-            + f" {_PURPOSES.get(p, '?')} (check #{n})" for r, (n, gi, s, p) in enumerate(rows))
+            + f" {_described(p)} (check #{n})" for r, (n, gi, s, p) in enumerate(rows))
         raise RankDivergenceError(
             f"stage-3 ranks diverged: {doing}. "
             "At stage 3 every forward and backward is collective: each rank must run the same "
@@ -429,7 +463,7 @@ class ParamFetcher:
             g.refresh_master([s])
 
     def gather_for_backward(self, keys: list[Key]) -> None:
-        self._phase = "backward"
+        self._phase = Phase.BACKWARD
         for key in keys:
             self._ready(key).in_backward = True
         self._prefetch_after(keys)
@@ -453,10 +487,10 @@ class ParamFetcher:
         for entry in self.gathered.values():  # what a user block holds on is not backward's
             entry.refs, entry.pending, entry.in_backward = 0, None, False
         self.release_unheld()
-        self._reached = {"forward": -1, "backward": -1}
+        self._reached = {Phase.FORWARD: -1, Phase.BACKWARD: -1}
         self.passes += 1
-        self._phase = "forward"
-        if self._recording is not None and self._recording["backward"].keys:
+        self._phase = Phase.FORWARD
+        if self._recording is not None and self._recording[Phase.BACKWARD].keys:
             # a unit's module the model never calls (nn.MultiheadAttention's out_proj, read by
             # its parent) must not keep the unit gathered: wait only for the ones that ran
             for members in self._members.values():
@@ -479,7 +513,7 @@ class ParamFetcher:
             self._wait(entry)
             g = self.groups[key[0]]
             if self.check_order:
-                self._check_same_gather(key, _REFRESH)
+                self._check_same_gather(key, GatherPurpose.REFRESH)
             # synchronous: user code holding the segment reads the parameters directly
             self.gather_comm.all_gather(g.segment_full[key[1]], g.chunk_on_device(key[1]))
             entry.handle = None
@@ -495,13 +529,14 @@ class ParamFetcher:
         then backward up to it, along the recorded order) and under ``max_live_numel``.
         Only forward -> backward: a segment kept past backward would be stale after the
         optimizer step and gathered again anyway."""
-        if self._phase != "forward" or self.max_reuse_numel <= 0 or self._recording is not None \
-                or not torch.is_grad_enabled() or key not in self._positions["backward"]:
+        if self._phase is not Phase.FORWARD or self.max_reuse_numel <= 0 \
+                or self._recording is not None or not torch.is_grad_enabled() \
+                or key not in self._positions[Phase.BACKWARD]:
             return False
-        here = max(self._reached["forward"], self._positions["forward"].get(key, -1))
-        forward = self._before["forward"]
+        here = max(self._reached[Phase.FORWARD], self._positions[Phase.FORWARD].get(key, -1))
+        forward = self._before[Phase.FORWARD]
         distance = forward[-1] - forward[min(here + 1, len(forward) - 1)] + \
-            self._before["backward"][self._positions["backward"][key]]
+            self._before[Phase.BACKWARD][self._positions[Phase.BACKWARD][key]]
         if distance > self.max_reuse_numel:
             return False
         # kept, it must still leave room under max_live for a module of its size to gather

@@ -33,7 +33,7 @@ import sys
 import torch
 import torch.nn as nn
 
-from ..config import ConfigError
+from ...config import ConfigError
 
 
 def _optimized_module_class():

@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..distributed.handles import Handle
-from ..ops.aio import AsyncFileIO, aligned_empty
-from .flat_param_group import FlatParamGroup
+from ...distributed.handles import Handle
+from ...ops.aio import AsyncFileIO, aligned_empty
+from ..layout.flat_param_group import FlatParamGroup
 from .swap_files import SwapDir
 
 SEGMENT_ALIGN = 4096  # elements: a segment's region is 4096-byte aligned for any dtype

@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from ..ops.extensions import load_cpu_extension
+from ...ops.extensions import load_cpu_extension
 
 if sys.byteorder != "little":  # the halves below are read from a little-endian layout
     raise ImportError("zeroengine's bf16 remainders assume a little-endian machine")

@@ -8,14 +8,14 @@ import warnings
 import torch
 import torch.nn as nn
 
-from ..config import AUTO, ZeroConfig, auto_fetch_unit
-from ..distributed.comm import Comm
+from ...config import AUTO, ZeroConfig, auto_fetch_unit
+from ...distributed.comm import Comm
+from ..optim.precision import FP32_MASTER, Precision
+from ..sharding import Sharding
+from ..stage3.zero_init import is_sharded, make_whole, materialize
 from . import deferred_params
 from .flat_param_group import FlatParamGroup
-from .layout import bucket_params
-from .precision import FP32_MASTER, Precision
-from .sharding import Sharding
-from .zero_init import is_sharded, make_whole, materialize
+from .partition import bucket_params
 
 
 def lay_out_parameters(module: nn.Module, optimizer: torch.optim.Optimizer,

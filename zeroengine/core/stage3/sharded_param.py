@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from . import registry
+from .. import registry
 
 _BYPASS = [0]  # > 0 inside engine code that handles released parameters knowingly
 

@@ -13,7 +13,7 @@ import math
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-from ..config import AUTO, ConfigError, SchedulerConfig
+from ...config import AUTO, ConfigError, SchedulerConfig
 
 
 def _warmup_gamma(t: int, warmup_steps: int, warmup_type: str) -> float:

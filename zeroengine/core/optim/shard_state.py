@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import CPUAdam
-from .flat_param_group import FlatParamGroup
+from ...ops import CPUAdam
+from ..layout.flat_param_group import FlatParamGroup
 
 
 class ShardStateIO:

@@ -1,4 +1,4 @@
-"""The step of a tensor-wise optimizer (optimizer_kind.py): each parameter whole, on its owner.
+"""The step of a tensor-wise optimizer (optim/kind.py): each parameter whole, on its owner.
 
 Gradients are reduced and master weights kept in the flat layout's chunks, as for every group
 (so reduction, clipping, overflow checks, checkpoints and stage 3 are unchanged). For a
@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from ..distributed.comm import Comm
-from .flat_param_group import FlatParamGroup
-from .layout import ShardPiece
+from ...distributed.comm import Comm
+from ..layout.flat_param_group import FlatParamGroup
+from ..layout.partition import ShardPiece
 from .owner_partition import OwnerPartition
 
 

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..distributed.handles import Handle
-from ..ops.aio import AsyncFileIO, aligned_empty, aligned_numel
+from ...distributed.handles import Handle
+from ...ops.aio import AsyncFileIO, aligned_empty, aligned_numel
 from .swap_files import SwapDir
 
 Key = tuple[int, int]  # (reserved group, segment)

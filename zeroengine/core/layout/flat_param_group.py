@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from .layout import FlatBuffer, FlatLayout, shard_segment_views
+from ..optim.precision import FP32_MASTER, LOW_MASTER, REMAINDER_MASTER
 from .master_bits import join_master, split_master
-from .precision import FP32_MASTER, LOW_MASTER, REMAINDER_MASTER
+from .partition import FlatBuffer, FlatLayout, shard_segment_views
 
 
 class FlatParamGroup:

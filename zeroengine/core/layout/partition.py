@@ -26,7 +26,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .host_memory import zeros_on_demand
+from ..offload.host_memory import zeros_on_demand
 
 
 @dataclass(frozen=True)

@@ -27,11 +27,11 @@ import functools
 import torch
 import torch.nn as nn
 
-from ..config import parse_config
-from ..distributed.bootstrap import init_distributed
-from ..distributed.comm import Comm
-from ..integrations import hf_pretrained
-from .sharding import Sharding
+from ...config import parse_config
+from ...distributed.bootstrap import init_distributed
+from ...distributed.comm import Comm
+from ...integrations import hf_pretrained
+from ..sharding import Sharding
 
 _active: "ZeroInit | None" = None
 

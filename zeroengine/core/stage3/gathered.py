@@ -9,9 +9,9 @@ import contextlib
 
 import torch
 
-from ..distributed.comm import Comm
-from . import registry
-from .flat_param_group import FlatParamGroup
+from ...distributed.comm import Comm
+from .. import registry
+from ..layout.flat_param_group import FlatParamGroup
 from .param_fetcher import Key, ParamFetcher
 
 

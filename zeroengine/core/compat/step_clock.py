@@ -34,7 +34,7 @@ import weakref
 
 import torch
 
-from ..errors import MixedStepError
+from ...errors import MixedStepError
 
 logger = logging.getLogger("zeroengine")
 

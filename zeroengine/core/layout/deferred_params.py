@@ -24,8 +24,8 @@ import zlib
 import torch
 import torch.nn as nn
 
-from ..checkpoint.weight_files import WeightFiles, WeightsError
-from ..distributed.comm import Comm
+from ...checkpoint.weight_files import WeightFiles, WeightsError
+from ...distributed.comm import Comm
 
 
 class FileSource:

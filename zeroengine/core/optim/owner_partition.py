@@ -1,10 +1,10 @@
 """Whole-parameter owners over a flat layout (pure math, no communication).
 
-A tensor-wise optimizer (optimizer_kind.py) must step each parameter whole, so each parameter of
+A tensor-wise optimizer (optim/kind.py) must step each parameter whole, so each parameter of
 such a group gets one *owner* rank that keeps its optimizer state and steps it. Gradients and
-master weights stay in the flat layout's chunks (layout.py), where reduction, checkpoints and
-stage 3 want them; at a step, the pieces of an owned parameter held in other ranks' chunks
-travel to its owner and the updated values travel back (owner_step.py).
+master weights stay in the flat layout's chunks (layout/partition.py), where reduction,
+checkpoints and stage 3 want them; at a step, the pieces of an owned parameter held in other
+ranks' chunks travel to its owner and the updated values travel back (owner_step.py).
 
 Assignment: a parameter lying wholly inside one rank's chunk is owned by that rank (nothing
 moves for it); the others, largest first, go to the least-loaded rank, ties to the rank already
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .layout import FlatLayout, ShardPiece
+from ..layout.partition import FlatLayout, ShardPiece
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..errors import LossScaleFloorError
+from ...errors import LossScaleFloorError
 
 
 @dataclass
@@ -126,7 +126,7 @@ class OptimizerPrecision:
     @classmethod
     def from_config(cls, cfg) -> "OptimizerPrecision":
         """From a config whose fp16/bf16 'auto' is resolved; refuses what cannot work."""
-        from ..config import ConfigError
+        from ...config import ConfigError
         bf16, fp16 = cfg.bf16, cfg.fp16
         keys = {"bf16.bf16_master_weights_and_grads": bf16.bf16_master_weights_and_grads,
                 "bf16.bf16_optimizer_states": bf16.bf16_optimizer_states,

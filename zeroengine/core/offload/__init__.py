@@ -1,0 +1,1 @@
+"""Optimizer state and stage-3 parameters in host memory or on NVMe."""
