@@ -55,7 +55,7 @@ compare: setup
 	DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 $(PY) benchmarks/compare.py --json bench_out/compare.json
 
 docs: setup
-	$(PY) -c "from zeroengine.config_reference import reference_markdown as r; print(r(), end=\"\")" > docs/config.md
+	$(PY) -c "from zeroengine.config.reference import reference_markdown as r; print(r(), end=\"\")" > docs/config.md
 	$(PY) -c "from zeroengine.tools.job_config import reference_markdown as r; print(r(), end=\"\")" > docs/job.md
 
 clean:

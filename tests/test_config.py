@@ -14,7 +14,7 @@ from hypothesis_profiles import examples
 import zeroengine
 from zeroengine import ConfigError
 from zeroengine.config import parse_config, resolve_auto
-from zeroengine.config_reference import reference_markdown
+from zeroengine.config.reference import reference_markdown
 from zeroengine.core.optim.factory import optimizer_from_config
 from zeroengine.core.optim.schedulers import scheduler_from_config
 
@@ -319,7 +319,7 @@ def test_initialize_refusals():
 @pytest.fixture
 def notices():
     """Every ConfigNotice raised in the test (each key is otherwise reported once per process)."""
-    from zeroengine import config_policy
+    from zeroengine.config import policy as config_policy
     config_policy._noticed.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

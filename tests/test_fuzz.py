@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from hypothesis_profiles import examples
 
 from zeroengine import CheckpointError, ConfigError
-from zeroengine.config import Config, _unwrap_optional, parse_config
+from zeroengine.config import Config, parse_config
+from zeroengine.config.parse import _unwrap_optional
 from zeroengine.testing import run_ranks
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 import zeroengine
-from zeroengine import config_policy
+from zeroengine.config import policy as config_policy
 
 
 @pytest.fixture

@@ -175,8 +175,8 @@ def test_fp16_auto_cast_casts_the_inputs_as_deepspeed_does(monkeypatch):
             "fp16": {"enabled": True, "auto_cast": auto_cast}, "optimizer": {
                 "type": "SGD", "params": {"lr": 0.1}}})
         x = {"inputs": [torch.randn(2, 4)], "steps": torch.arange(2)}
-        from zeroengine.core.engine import _cast_floating
-        cast = _cast_floating(((x,), {"y": (torch.ones(1),)}), torch.float16)
+        from zeroengine.core.module_state import cast_floating
+        cast = cast_floating(((x,), {"y": (torch.ones(1),)}), torch.float16)
         assert cast[0][0]["inputs"][0].dtype == torch.float16 and \
             cast[0][0]["steps"].dtype == torch.int64 and cast[1]["y"][0].dtype == torch.float16
         try:

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from ._version import __version__
 from .config import Config, model_hidden_size, parse_config, resolve_auto, to_dict
-from .config_policy import notice
+from .config.policy import notice
 from .core.compat.compiled import check_compile_args
 from .core.engine import ZeroEngine
 from .core.layout import deferred_params

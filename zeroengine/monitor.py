@@ -16,7 +16,7 @@ import os
 from typing import Protocol
 
 from .config import Config
-from .config_policy import notice
+from .config.policy import notice
 
 Event = tuple[str, float, int]  # (name, value, samples seen)
 

@@ -1,17 +1,18 @@
-"""ZeroEngine: the user-facing verbs (forward, backward, step) and reports; thin by design.
+"""ZeroEngine: the user-facing verbs (forward, backward, step); it wires and delegates.
 
-The collaborators, wired once in ``__init__`` (each gets the others it calls at construction):
-FlatParamGroup (flat_param_group.py) lays parameters out in flat buffers; ParamFetcher
-(param_fetcher.py, stage 3) gathers and releases parameter segments around their use;
+The collaborators, built once in ``__init__`` and handed to each other there: FlatParamGroup
+(layout/flat_param_group.py) holds parameters in flat buffers; ParamFetcher
+(stage3/param_fetcher.py) gathers and releases stage 3's segments around their use;
 GradReducer (grad_reducer.py) reduces gradients during backward; OptimizerOffload
-(optimizer_offload.py) holds the host side of an offloaded step; ShardedOptimizer
-(sharded_optimizer.py) steps the rank's shard; Comm (distributed/comm.py) carries the bytes and
-distributed/handles.py names what is in flight.
+(offload/optimizer_offload.py) holds the host side of an offloaded step; ShardedOptimizer
+(optim/sharded_optimizer.py) steps the rank's shard; Comm (distributed/comm.py) carries the
+bytes. Reports, checkpoints and DeepSpeed's queries are mixins (engine_reports.py,
+engine_checkpoints.py, engine_queries.py).
 
 One training step, in order (the file and function where each happens):
-  forward   ForwardGuard (drop_in.py) checks the parameters and broadcasts buffers; stage 3:
-            ParamFetcher._pre_forward gathers each module's segments (prefetching the next
-            ones along the recorded order) and _post_forward releases them.
+  forward   ForwardGuard (compat/drop_in.py) checks the parameters and broadcasts buffers;
+            stage 3: ParamFetcher._pre_forward gathers each module's fetch unit (prefetching
+            the next along the recorded order) and _post_forward releases it.
   backward  ZeroEngine.backward scales the loss; GradReducer._on_grad_ready takes each
             parameter's gradient into its bucket; a complete bucket -> ParamFetcher.grads_taken
             (stage 3 frees the segment) and, in launch order, GradReducer._start_reduce
@@ -27,16 +28,16 @@ One training step, in order (the file and function where each happens):
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import torch.nn as nn
 
-from ..config import AUTO, Config, ConfigError
+from ..config import Config
 from ..distributed.comm import Comm
 from ..distributed.topology import Topology
 from ..monitor import Monitor
 from ..ops.quantize import DEFAULT_BLOCK as QUANT_BLOCK
+from .buckets import ReduceSettings
 from .compat import compiled
 from .compat.compiled import uncompiled
 from .compat.drop_in import (
@@ -46,21 +47,22 @@ from .compat.drop_in import (
     unregister_parameters,
 )
 from .compat.step_clock import StepClock
+from .engine_checkpoints import EngineCheckpoints
 from .engine_queries import EngineQueries
-from .grad_reducer import GradReducer, ReduceSettings
-from .layout.deferred_params import is_deferred
+from .engine_reports import EngineReports
+from .grad_reducer import GradReducer
 from .layout.param_layout import element_index, lay_out_parameters, report_persistence
-from .offload.host_memory import heap_free_bytes
+from .module_state import broadcast_module_state, cast_floating, cast_rest_of_module
 from .offload.optimizer_offload import OptimizerOffload
 from .optim.precision import LossScaler, OptimizerPrecision, Precision
 from .optim.sharded_optimizer import ShardedOptimizer, StepSettings
+from .param_sync import ParamSync
 from .sharding import Sharding
 from .stage3 import gathered
-from .stage3.param_fetcher import ParamFetcher, auto_window
-from .stage3.zero_init import is_sharded
+from .stage3.param_fetcher import ParamFetcher
 
 
-class ZeroEngine(EngineQueries):
+class ZeroEngine(EngineQueries, EngineReports, EngineCheckpoints):
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, config: Config,
                  comm: Comm, device: torch.device, lr_scheduler=None,
                  topology: Topology | None = None, scheduler_from_config: bool = False,
@@ -97,38 +99,32 @@ class ZeroEngine(EngineQueries):
         self._pin = device.type == "cuda" and (zero.offload_optimizer.pin_memory
                                                or zero.offload_param.pin_memory)
 
-        self._broadcast_module_state()  # every rank starts from rank 0's values, as in DDP
+        broadcast_module_state(module, comm)  # every rank starts from rank 0's values, as in DDP
         order = {id(p): i for i, p in enumerate(module.parameters())}
         # NVMe offload: the swap exists first, so the masters go to the drive as laid out
-        self._aio = None
-        swap = self._nvme_swap(config) if zero.offload_optimizer.device == "nvme" else None
-        self.param_swap = self._param_swap(config) if zero.offload_param.device == "nvme" \
-            else None
+        swap = self.param_swap = None
+        if "nvme" in (zero.offload_optimizer.device, zero.offload_param.device):
+            from .offload import nvme
+            io = nvme.file_io(config)  # one asynchronous I/O engine for both swaps
+            if zero.offload_optimizer.device == "nvme":
+                swap = nvme.optimizer_swap(config, comm.rank, io, self._pin)
+            if zero.offload_param.device == "nvme":
+                self.param_swap = nvme.param_swap(config, comm.rank, io, self._pin)
         self.flat_groups = lay_out_parameters(module, optimizer, order, self.sharding, comm,
                                               zero, self.precision, device, self._pin,
                                               shard=shard, master_sink=swap,
                                               param_sink=self.param_swap,
                                               master_format=self.optimizer_precision.master)
         if self.precision.mixed:
-            self._cast_rest_of_module(self.precision.compute)
+            cast_rest_of_module(module, self._managed_params(), self.precision.compute)
         partitioned = [fg for fg in self.flat_groups if fg.partitioned]
         if self.sharding.parameters:
             report_persistence(self.flat_groups, zero.stage3_param_persistence_threshold, comm)
         # The collaborators, built in dependency order and handed to each other here: the
         # reducer tells the fetcher and the offload what backward finished; the optimizer
         # steps, publishes through the offload and has the fetcher refresh what is gathered.
-        window = auto_window(partitioned)
-        self.fetcher = ParamFetcher(
-            module, partitioned, comm, gather_comm=shard,
-            secondary_comm=self.topology.secondary,
-            quantize_block=QUANT_BLOCK if zero.zero_quantized_weights else 0,
-            prefetch_numel=window if zero.stage3_prefetch_bucket_size == AUTO
-            else zero.stage3_prefetch_bucket_size,
-            max_reuse_numel=window if zero.stage3_max_reuse_distance == AUTO
-            else zero.stage3_max_reuse_distance,
-            max_live_numel=zero.stage3_max_live_parameters,
-            check_order=zero.stage3_check_gather_order,
-            leaf_modules=zero.stage3_leaf_modules) if partitioned else None
+        self.fetcher = ParamFetcher.from_config(module, partitioned, comm, self.topology, zero) \
+            if partitioned else None
         reduce_dtype = self.precision.reduce if config.communication_data_type else None
         self.offload = OptimizerOffload(self.flat_groups, reduce_dtype, self._pin, swap=swap) \
             if self.offload_optimizer else None
@@ -144,9 +140,11 @@ class ZeroEngine(EngineQueries):
             if self.topology.node is not None else None)
         self.optimizer = ShardedOptimizer(
             optimizer, self.flat_groups, self.reducer, shard, sharding=self.sharding,
-            settings=StepSettings(config.gradient_clipping, zero.allgather_bucket_size,
-                                  zero.sub_group_size, config.on_nonfinite),
-            loss_scaler=scaler, offload=self.offload, fetcher=self.fetcher,
+            settings=StepSettings(config.gradient_clipping, zero.sub_group_size,
+                                  config.on_nonfinite),
+            loss_scaler=scaler, offload=self.offload,
+            param_sync=ParamSync(self.flat_groups, shard, zero.allgather_bucket_size,
+                                 self.offload, self.fetcher),
             param_names={id(p): n for n, p in uncompiled(module).named_parameters()},
             precision=self.optimizer_precision,
             element_index=element_index(uncompiled(module)),
@@ -164,7 +162,8 @@ class ZeroEngine(EngineQueries):
             module, self.flat_groups, self._broadcast_buffers if broadcast else None,
             check_ranks=self.fetcher.check_forward_start
             if self.fetcher is not None and self.fetcher.check_ranks else None,
-            split=self._bucket_split(config, comm, device), clock=self.clock)
+            split=compiled.bucket_split(config, self.sharding, comm.world_size, device,
+                                       self._managed_params()), clock=self.clock)
         if self.clock.timers is not None:
             self.reducer.on_backward_end = self.clock.timers.backward_pass_ended
         compiled.install(module)  # module.compile() compiles forward, keeping our hooks eager
@@ -182,52 +181,6 @@ class ZeroEngine(EngineQueries):
 
     def _managed_params(self) -> list[torch.nn.Parameter]:
         return [p for fg in self.flat_groups for p in fg.params]
-
-    def _bucket_split(self, config, comm, device) -> compiled.BucketSplit | None:
-        """Where a compiled forward is cut at gradient buckets: stages 0-2 with more than one
-        rank and overlap on (stage 3's fetch units already cut it), by default on CUDA only."""
-        zero, wanted = config.zero_optimization, config.compile.split_at_buckets
-        if wanted is None:
-            wanted = device.type == "cuda"
-        if not wanted or self.sharding.parameters or comm.world_size == 1 \
-                or not zero.overlap_comm:
-            return None
-        itemsize = max((p.element_size() for p in self._managed_params()), default=4)
-        return compiled.BucketSplit(max(1, zero.reduce_bucket_size) * itemsize)
-
-    def _swap_dir(self, section: str, nvme_path: str):
-        """This rank's swap directory under ``nvme_path`` (offload_<section>.nvme_path)."""
-        from .offload.swap_files import SwapDir
-        if not os.path.isdir(nvme_path):  # a typo must not swap to another drive
-            raise ConfigError(f"zero_optimization.{section}.nvme_path {nvme_path!r} is not a "
-                              f"directory on rank {self.comm.rank}; create it on the drive to "
-                              "swap to (every rank needs its own or a shared one)")
-        return SwapDir(nvme_path, self.comm.rank)
-
-    def _file_io(self, config: Config):
-        """The rank's one asynchronous I/O engine, shared by the optimizer and parameter swaps."""
-        from ..ops.aio import AsyncFileIO
-        if self._aio is None:
-            aio = config.aio
-            self._aio = AsyncFileIO(aio.block_size, aio.queue_depth, aio.thread_count)
-        return self._aio
-
-    def _nvme_swap(self, config: Config):
-        """NVMe offload of the optimizer: master and state in swap files under nvme_path."""
-        from .offload.optimizer_swap import OptimizerSwap
-        off = config.zero_optimization.offload_optimizer
-        return OptimizerSwap(self._swap_dir("offload_optimizer", off.nvme_path),
-                             self._file_io(config), pipeline_read=off.pipeline_read,
-                             pipeline_write=off.pipeline_write, pin=self._pin)
-
-    def _param_swap(self, config: Config):
-        """NVMe offload of stage-3 parameters: the shard in swap files, a cache of max_in_cpu
-        elements in memory, buffer_count x buffer_size elements read ahead."""
-        from .offload.param_swap import ParamSwap
-        off = config.zero_optimization.offload_param
-        return ParamSwap(self._swap_dir("offload_param", off.nvme_path),
-                         self._file_io(config), max_in_cpu=off.max_in_cpu,
-                         read_ahead_numel=off.buffer_count * off.buffer_size, pin=self._pin)
 
     def close(self) -> None:
         """Finish a pending asynchronous save; remove every hook the engine put on the model
@@ -250,35 +203,14 @@ class ZeroEngine(EngineQueries):
         if self.fetcher is not None:
             self.fetcher.remove_hooks()
 
-    def _broadcast_module_state(self) -> None:
-        """Rank 0's parameters and buffers to every rank."""
-        # zero_init parameters already hold rank 0's values, sharded; deferred ones (weights
-        # files, reset_parameters) get the same values on every rank when they are read
-        self.comm.broadcast_many([t.data for t in list(self.module.parameters())
-                                  + list(self.module.buffers())
-                                  if not is_sharded(t) and not is_deferred(t)], src=0)
-
     def _broadcast_buffers(self, buffers: list[torch.Tensor]) -> None:
         self.comm.broadcast_many(buffers, src=0, what=lambda: f"module buffers ({len(buffers)}, "
                                    "broadcast from rank 0 before the forward: broadcast_buffers)")
 
-    def _cast_rest_of_module(self, dtype: torch.dtype) -> None:
-        """Frozen parameters and floating-point buffers follow the compute dtype, as they
-        would under module.to(dtype); managed parameters already live in it."""
-        managed = {id(p) for p in self._managed_params()}
-        with torch.no_grad():
-            for p in self.module.parameters():
-                if id(p) not in managed and p.is_floating_point():
-                    p.data = p.data.to(dtype)
-            for mod in self.module.modules():
-                for name, buf in mod._buffers.items():
-                    if buf is not None and buf.is_floating_point():
-                        mod._buffers[name] = buf.to(dtype)
-
     # -- training verbs ------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         if self._cast_inputs is not None:  # fp16.auto_cast, as DeepSpeed's engine.forward
-            args, kwargs = _cast_floating((args, kwargs), self._cast_inputs)
+            args, kwargs = cast_floating((args, kwargs), self._cast_inputs)
         return self.module(*args, **kwargs)
 
     forward = __call__
@@ -391,205 +323,10 @@ class ZeroEngine(EngineQueries):
     def is_compiled(self) -> bool:
         return compiled.is_compiled(self.module)
 
-    def train(self, mode: bool = True) -> "ZeroEngine":
-        self.module.train(mode)
-        return self
-
-    def eval(self) -> "ZeroEngine":
-        return self.train(False)
-
-    def parameters(self):
-        return self.module.parameters()
-
-    def named_parameters(self):
-        return self.module.named_parameters()
-
-    # -- reports ---------------------------------------------------------------------------------
-    @property
-    def loss_scale(self) -> float:
-        return self.clock.loss_scale()
-
-    # the step clock's counters and scheduler (step_clock.py), under DeepSpeed's names
-    @property
-    def global_steps(self) -> int:
-        return self.clock.global_steps
-
-    @property
-    def global_samples(self) -> int:
-        return self.clock.global_samples
-
-    @property
-    def micro_steps(self) -> int:
-        return self.clock.micro_steps
-
-    @property
-    def skipped_steps(self) -> int:
-        return self.clock.skipped_steps
-
-    @property
-    def lr_scheduler(self):
-        return self.clock.scheduler
-
     def get_global_grad_norm(self) -> float | None:
         """Norm of the (unclipped) gradient applied at the last step, over all ranks."""
         return self.optimizer.last_grad_norm
 
-    def memory_report(self, reset_peak: bool = False) -> dict[str, int]:
-        """Bytes this rank holds for model states, by category: ``params``, ``grads`` and
-        ``optimizer_states`` on the training device now, ``host_*`` the same offloaded to host
-        memory (on a CPU-only machine both are RAM; the split says where the engine put them),
-        ``total`` all of them; with NVMe offload ``nvme_optimizer_states`` and
-        ``nvme_params``, the bytes of the master and state, and of the parameter shard, kept on
-        the drive (not in the total).
-
-        Where the peak is (since the engine was built, or the last ``reset_peak=True``):
-        ``gathered_params_peak`` - stage 3's most bytes of gathered segments at once (the
-        module running, prefetched ones, ones kept for backward), ``grad_buckets_peak`` - the
-        most bytes of gradient staging and reduce outputs in flight (stages 2-3),
-        ``peak_total`` - the states held permanently plus both peaks: the engine's own
-        memory at its peak (activations and autograd's temporaries are the model's). And
-        ``heap_free``: bytes the C allocator holds free (glibc; resident or not), the slack
-        the process can see - see zero_optimization.return_free_host_memory.
-        ``checkpoint_staging``: the host buffers asynchronous saves copy the states into
-        (kept from one save to the next; not in the totals)."""
-        managed = {id(p) for p in self._managed_params()}
-        params = sum(fg.nbytes() for fg in self.flat_groups)
-        params += sum(p.numel() * p.element_size() for p in self.module.parameters()
-                      if id(p) not in managed)
-        gathered = gathered_peak = 0
-        if self.fetcher is not None:
-            params += self.fetcher.secondary_nbytes()
-            gathered = self.fetcher.gathered_nbytes()
-            gathered_peak = self.fetcher.peak_gathered_bytes
-        grads = self.reducer.nbytes()
-        staging = self.reducer.staging_nbytes()
-        states = sum(fg.master_nbytes() for fg in self.flat_groups)
-        host_states = sum(fg.master_nbytes(host=True) for fg in self.flat_groups)
-        if self.offload is not None:
-            host_states += self.optimizer.state_nbytes()
-        else:
-            states += self.optimizer.state_nbytes()
-        swap = self.optimizer.swap
-        if swap is not None:
-            host_states += swap.host_bytes()  # the tiles' slots
-        host_params = sum(fg.nbytes(host=True) for fg in self.flat_groups)
-        if self.param_swap is not None:
-            host_params += self.param_swap.host_bytes()  # its cache and reads in flight
-        report = {"params": params + gathered, "grads": grads, "optimizer_states": states,
-                  "host_params": host_params,
-                  "host_grads": self.offload.nbytes() if self.offload is not None else 0,
-                  "host_optimizer_states": host_states}
-        report["total"] = sum(report.values())
-        report["gathered_params_peak"] = gathered_peak
-        report["grad_buckets_peak"] = self.reducer.peak_staging_bytes
-        report["peak_total"] = report["total"] - gathered - staging + gathered_peak + \
-            self.reducer.peak_staging_bytes
-        report["heap_free"] = heap_free_bytes()
-        report["checkpoint_staging"] = self.checkpoints.staging_nbytes()
-        if swap is not None:  # on the drive, not in memory: outside the total
-            report["nvme_optimizer_states"] = swap.file_bytes()
-        if self.param_swap is not None:
-            report["nvme_params"] = self.param_swap.file_bytes()
-        if reset_peak:
-            self.reducer.reset_peak()
-            if self.fetcher is not None:
-                self.fetcher.reset_peak()
-        return report
-
-    def comm_report(self, reset: bool = True) -> dict[str, dict[str, int]]:
-        """Bytes this rank sent/received per collective kind since the last call. Hybrid
-        sharding: kinds inside the shard group are named as in a plain run, the all-reduce
-        across groups ``all_reduce@replica_group`` (the traffic that crosses nodes)."""
-        out = self.comm.report(reset)
-        for name, comm in self.topology.comms().items():
-            if name == "world":
-                continue
-            for kind, counts in comm.report(reset).items():
-                key = kind if name == "shard_group" else f"{kind}@{name}"
-                if key in out:
-                    out[key] = {k: out[key][k] + v for k, v in counts.items()}
-                else:
-                    out[key] = counts
-        return out
-
-    # -- checkpoints (sharded.py) ------------------------------------------------------------
-    def save_checkpoint(self, save_dir: str, tag: str | None = None,
-                        client_state: dict | None = None, node_local: bool = False,
-                        save_latest: bool = True, format: str = "zeroengine",
-                        async_save: bool | None = None):
-        """Collective: each rank writes its own shards of ``<save_dir>/<tag>`` (default tag
-        ``global_step<N>``), atomically; ``latest`` then names it. Returns the path.
-        ``node_local=True``: each rank's ``save_dir`` is its own (not shared); the checkpoint
-        is the union of the ranks' directories, as Ray Train assembles it.
-        ``format="dcp"``: a torch.distributed.checkpoint directory in FSDP2's layout
-        ({"model": ..., "optim": ...}) that FSDP2/torchtitan load with ``dcp.load`` (no RNG
-        states in it); ``load_checkpoint`` reads either.
-        ``async_save=True`` (default: the config's checkpoint.async_save): return a
-        ``concurrent.futures.Future`` of the path as soon as this rank's states are copied to
-        host memory; the files are written and committed in the background (checkpoint/
-        saver.py). Every save, synchronous or not, fails on every rank at once or on none:
-        ``latest`` then still names the last complete checkpoint (checkpoint/commit.py)."""
-        if format == "dcp":
-            if async_save:
-                raise NotImplementedError("save_checkpoint(format='dcp', async_save=True) is "
-                                          "not supported: DCP's own save holds the loop; use "
-                                          "the default format for asynchronous saves")
-            from ..checkpoint.dcp_save import save_dcp
-            from ..checkpoint.sharded import checked_tag
-            if node_local:
-                raise ValueError("save_checkpoint(format='dcp', node_local=True): DCP writes "
-                                 "one shared directory; leave node_local out")
-            return save_dcp(self, save_dir, checked_tag(tag, self), client_state, save_latest)
-        if format != "zeroengine":
-            raise ValueError(f"save_checkpoint(format={format!r}): 'zeroengine' (default) or "
-                             "'dcp'")
-        from ..checkpoint.sharded import save_checkpoint
-        return save_checkpoint(self, save_dir, tag, client_state, node_local, save_latest,
-                               async_save)
-
-    def load_checkpoint(self, load_dir: str, tag: str | None = None, **options):
-        """Collective: restore from ``<load_dir>/<tag>`` (None: the latest), whatever world
-        size, stage or offload it was saved with. Returns (path, client_state). Options:
-        load_optimizer_states, load_lr_scheduler_states, load_module_only, missing_ok (return
-        (None, None) instead of raising when nothing was saved yet: the resume pattern),
-        load_rng_states (default True: each rank's torch/numpy/Python generators as saved)."""
-        from ..checkpoint.sharded import load_checkpoint
-        return load_checkpoint(self, load_dir, tag, **options)
-
-    def save_pretrained(self, save_dir: str, max_shard_size="5GB", dtype=None) -> list[str]:
-        """Collective: the weights in the Hugging Face layout (``model.safetensors``, or
-        ``model-0000k-of-0000N.safetensors`` and ``model.safetensors.index.json``), with the
-        model's config.json when it is a transformers model; ``from_pretrained`` loads it.
-        Streamed: tensor by tensor, each rank writing its own files (file k: rank k mod
-        world) in a thread while the next are gathered; a rank holds about one output file.
-        ``dtype``: bf16/fp16/fp32 (default: the training dtype). Returns this rank's files."""
-        from ..checkpoint.hf_export import save_pretrained
-        return save_pretrained(self, save_dir, max_shard_size, dtype)
-
-    def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors") -> bool:
-        """Collective: rank 0 writes the model's weights in the compute dtype (bf16/fp16, or
-        fp32 when that is what it trains in) as one safetensors file. At stage 3 this needs
-        ``stage3_gather_16bit_weights_on_model_save`` (as in DeepSpeed); without it nothing is
-        written and False is returned."""
-        from ..checkpoint.hf_export import save_16bit_model
-        return save_16bit_model(self, save_dir, save_filename)
-
-    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
-        """Collective: on every rank, the full fp32 state dict with model.state_dict()'s keys."""
-        full_values: dict[int, torch.Tensor] = {}
-        for fg in self.flat_groups:
-            full = fg.full_fp32(self.topology.shard)
-            for i, p in enumerate(fg.params):
-                slot = fg.layout.slots[i]
-                full_values[id(p)] = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
-        out = {}
-        for name, t in uncompiled(self.module).state_dict(keep_vars=True).items():
-            value = full_values.get(id(t))
-            if value is None:
-                value = t.detach()
-                value = value.float() if value.is_floating_point() else value
-            out[name] = value.clone().cpu()
-        return out
 
 
 def _close_at_exit(engine: "ZeroEngine") -> None:
@@ -605,15 +342,3 @@ def _close_at_exit(engine: "ZeroEngine") -> None:
         if alive is not None:
             alive.close()
     atexit.register(close)
-
-
-def _cast_floating(value, dtype: torch.dtype):
-    """``value`` with every floating-point tensor in it (through lists, tuples and dicts) cast
-    to ``dtype``."""
-    if torch.is_tensor(value):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cast_floating(v, dtype) for v in value)
-    if isinstance(value, dict):
-        return {k: _cast_floating(v, dtype) for k, v in value.items()}
-    return value

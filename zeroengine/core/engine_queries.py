@@ -1,14 +1,16 @@
 """DeepSpeed's engine queries, with DeepSpeed's names, signatures and return values, so that a
 script written for ``DeepSpeedEngine`` reads the same things from a ZeroEngine.
 
-These only read: the config (batch sizes, precision, stage), the step clock (step_clock.py) and
-the process group. The verbs (backward, step, checkpoints) stay on ZeroEngine itself."""
+These read the config (batch sizes, precision, stage), the step clock (compat/step_clock.py)
+and the process group; beside them, nn.Module's train/eval/parameters pass to the wrapped
+module. The training verbs stay on ZeroEngine (engine.py), the checkpoint verbs are
+engine_checkpoints.py's."""
 from __future__ import annotations
 
 
 class EngineQueries:
     """Mixed into ZeroEngine; reads ``self.config``, ``self.clock``, ``self.comm``,
-    ``self.optimizer``."""
+    ``self.optimizer``, ``self.module``."""
 
     # -- batch sizes and accumulation ----------------------------------------------------------
     def train_batch_size(self) -> int | None:
@@ -36,6 +38,45 @@ class EngineQueries:
 
     def steps_per_print(self) -> int:
         return self.config.steps_per_print
+
+    # -- the wrapped module, as nn.Module's verbs -----------------------------------------------
+    def train(self, mode: bool = True) -> "EngineQueries":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "EngineQueries":
+        return self.train(False)
+
+    def parameters(self):
+        return self.module.parameters()
+
+    def named_parameters(self):
+        return self.module.named_parameters()
+
+    # -- the step clock's counters and scheduler (step_clock.py), under DeepSpeed's names ---------
+    @property
+    def loss_scale(self) -> float:
+        return self.clock.loss_scale()
+
+    @property
+    def global_steps(self) -> int:
+        return self.clock.global_steps
+
+    @property
+    def global_samples(self) -> int:
+        return self.clock.global_samples
+
+    @property
+    def micro_steps(self) -> int:
+        return self.clock.micro_steps
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.clock.skipped_steps
+
+    @property
+    def lr_scheduler(self):
+        return self.clock.scheduler
 
     # -- the last step ---------------------------------------------------------------------------
     def get_lr(self) -> list[float]:

@@ -25,7 +25,7 @@ import torch
 
 from .. import build_engine
 from ..config import ConfigError, config_dict
-from ..config_policy import notice
+from ..config.policy import notice
 from . import accelerator, checkpointing, comm, moe, ops, utils, zero
 from ._missing import NotInZeroengine, missing
 from .comm import init_distributed

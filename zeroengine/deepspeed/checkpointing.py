@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.utils.checkpoint
 
-from ..config_policy import notice
+from ..config.policy import notice
 from ._missing import missing
 
 _configured = False

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import Config, ConfigError, option, parse_section
-from ..config_reference import section_markdown
+from ..config.reference import section_markdown
 
 
 @dataclass

@@ -57,7 +57,7 @@ class Job:
     offload_optimizer: bool = False
     offload_param: bool = False
     tokens_per_rank: int = 8 * 4096  # tokens each rank processes per optimizer step
-    # the config's defaults (config.py declares them); prefetch None: "auto"
+    # the config's defaults (config/zero.py declares them); prefetch None: "auto"
     reduce_bucket_size: int = ZeroConfig.reduce_bucket_size
     prefetch_bucket_size: int | None = None
     max_live_parameters: int = ZeroConfig.stage3_max_live_parameters

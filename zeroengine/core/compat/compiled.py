@@ -239,3 +239,16 @@ def _counting_own_bytes(add_param):
 
     counted.counts_own_bytes = True
     return counted
+
+
+def bucket_split(config, sharding, world_size: int, device: torch.device,
+                 params: list) -> BucketSplit | None:
+    """Where a compiled forward is cut at gradient buckets: stages 0-2 with more than one
+    rank and overlap on (stage 3's fetch units already cut it), by default on CUDA only."""
+    zero, wanted = config.zero_optimization, config.compile.split_at_buckets
+    if wanted is None:
+        wanted = device.type == "cuda"
+    if not wanted or sharding.parameters or world_size == 1 or not zero.overlap_comm:
+        return None
+    itemsize = max((p.element_size() for p in params), default=4)
+    return BucketSplit(max(1, zero.reduce_bucket_size) * itemsize)

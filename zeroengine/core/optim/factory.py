@@ -106,7 +106,7 @@ def _deepspeed_adam(kwargs: dict) -> dict:
 
 def _resolve_auto_param(cls: type, key: str, default):
     """An optimizer hyperparameter given as "auto" outside the Hugging Face Trainer."""
-    from ...config_policy import notice
+    from ...config.policy import notice
     if key == "lr":
         raise ConfigError("optimizer.params.lr is 'auto', which only the Hugging Face Trainer "
                           "fills in (from TrainingArguments.learning_rate); give a number, or "

@@ -160,3 +160,72 @@ class ShardStateIO:
             else:
                 current["state"].pop(index_of[id(p)], None)
         self.inner.load_state_dict(current)
+
+    # -- the optimizer's own state_dict: this rank's shard, same world size and stage ----------
+    def state_dict(self) -> dict:
+        """This rank's shard of the optimizer state and every group's hyperparameters.
+
+        Loading needs the same world size and stage; checkpoints (engine.save_checkpoint) are the
+        way to reshard."""
+        self._refuse_swapped("optimizer.state_dict()")
+        inner = self.inner.state_dict()
+        groups = []
+        for group in self.param_groups:
+            groups.append({k: v for k, v in group.items() if k != "params"})
+        return {"state": inner["state"], "param_groups": groups,
+                "inner_param_groups": inner["param_groups"],
+                "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None,
+                "skipped_steps": self.skipped_steps,
+                "zero": {"rank": self.comm.rank, "world_size": self.comm.world_size,
+                         "stage": self.sharding.stage,
+                         "shard_numels": [fg.layout.shard_numel for fg in self.flat_groups]}}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._refuse_swapped("optimizer.load_state_dict()")
+        meta = state_dict.get("zero")
+        if meta is None:
+            raise ValueError("this is not a zeroengine optimizer state dict (no 'zero' entry); "
+                             "a plain torch optimizer state cannot be loaded into shards")
+        mine = {"world_size": self.comm.world_size, "stage": self.sharding.stage,
+                "shard_numels": [fg.layout.shard_numel for fg in self.flat_groups]}
+        for key, value in mine.items():
+            if meta[key] != value:
+                raise ValueError(f"optimizer state was saved with {key}={meta[key]} but this "
+                                 f"engine has {key}={value}; use engine.load_checkpoint(), which "
+                                 "reshards")
+        if meta.get("rank", self.comm.rank) != self.comm.rank:
+            raise ValueError(
+                f"rank {self.comm.rank} was given the optimizer state of rank {meta['rank']}: "
+                "optimizer.state_dict() holds only the saving rank's shard, so a file saved on "
+                "one rank (e.g. `if master_process: torch.save(optimizer.state_dict())`) cannot "
+                "restore the others. Save with engine.save_checkpoint(dir) on every rank and "
+                "resume with engine.load_checkpoint(dir), or save each rank's state_dict to its "
+                "own file")
+        if len(state_dict["param_groups"]) != len(self.param_groups):
+            raise ValueError(f"optimizer state has {len(state_dict['param_groups'])} param groups,"
+                             f" this optimizer has {len(self.param_groups)}")
+        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        self.inner.load_state_dict({"state": state_dict["state"],
+                                    "param_groups": state_dict["inner_param_groups"]})
+        if self.loss_scaler is not None and state_dict.get("loss_scaler"):
+            self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
+        self.skipped_steps = state_dict.get("skipped_steps", 0)
+
+    def _refuse_swapped(self, what: str) -> None:
+        if self.swap is not None:
+            raise RuntimeError(
+                f"{what} would hold this rank's whole optimizer state in memory, which "
+                "offload_optimizer.device 'nvme' keeps on the drive; save and resume with "
+                "engine.save_checkpoint(dir) / engine.load_checkpoint(dir), which read and write "
+                "it a tile at a time")
+
+    def state_nbytes(self) -> int:
+        """Bytes of the inner optimizer's state tensors (in host memory when offloaded)."""
+        total = 0
+        for per_param in self.inner.state.values():
+            for value in per_param.values():
+                if torch.is_tensor(value):
+                    total += value.numel() * value.element_size()
+        return total
+

@@ -7,12 +7,11 @@ the rank's master chunks (one tensor per segment). Because the optimizer is elem
 over chunks of flat buffers equals the step over the original tensors.
 
 A step: make gradients final (``GradReducer.flush``), compute the global norm over all shards,
-clip, copy hyperparameters outer -> inner, step the chunks, then all-gather the updated chunks
-so every rank holds the full parameters again (stages 1-2). With offload (optimizer_offload.py)
-the chunks
-are host copies, the inner optimizer runs on the CPU, and updated values are copied back; with
-NVMe offload (optimizer_swap.py) those host copies live on the drive and each sub-group is read
-in before it steps and written back after.
+clip, copy hyperparameters outer -> inner, step the chunks; ParamSync (param_sync.py) then
+makes the updated masters the model's values on every rank. With offload (optimizer_offload.py)
+the chunks are host copies, the inner optimizer runs on the CPU, and updated values are copied
+back; with NVMe offload (optimizer_swap.py) those host copies live on the drive and each
+sub-group is read in before it steps and written back after.
 """
 from __future__ import annotations
 
@@ -25,24 +24,20 @@ import torch
 from ...distributed.comm import Comm
 from ...distributed.handles import Handle
 from ...errors import NonFiniteGradientError
-from ...ops import CPUAdam, FusedAdam
 from ..grad_reducer import GradReducer
 from ..layout.flat_param_group import FlatParamGroup
 from ..offload.host_memory import return_free_heap
 from ..offload.optimizer_offload import OptimizerOffload
+from ..param_sync import ParamSync
 from ..sharding import Sharding
-from .chain import OptimizerChain, init_without_copying_groups
+from .chain import init_without_copying_groups
 from .factory import (
     IMPLEMENTATION_KEYS,
-    build_device_inner,
-    build_host_inner,
-    build_inner,
-    build_mixed_inner,
-    cpu_adam_mode,
 )
-from .kind import TENSORWISE, optimizer_kind
+from .inner_parts import InnerPart, build_inner_parts
+from .nonfinite import nonfinite_message
 from .owner_step import OwnedParams
-from .precision import LOW_MASTER, LossScaler, OptimizerPrecision
+from .precision import LossScaler, OptimizerPrecision
 from .shard_state import ShardStateIO
 
 logger = logging.getLogger("zeroengine")
@@ -56,34 +51,22 @@ REMAINDER_WINDOW = 1 << 22
 class StepSettings:
     """How a step is taken (the config's keys, resolved once by the engine)."""
     clip: float  # gradient_clipping (0: off)
-    allgather_bucket_numel: int  # zero_optimization.allgather_bucket_size
     sub_group_numel: int  # zero_optimization.sub_group_size
     on_nonfinite: str  # without a loss scaler: "raise" or "skip"
-
-
-@dataclass
-class InnerPart:
-    """One inner optimizer: the user's class (or CPUAdam/FusedAdam in its place) over the flat
-    groups of one user optimizer that share one kind of update."""
-    optimizer: torch.optim.Optimizer
-    kind: str  # optimizer_kind.ELEMENTWISE or TENSORWISE
-    flat_groups: tuple[int, ...]  # indices into ShardedOptimizer.flat_groups
-    copy_out: bool = False  # CPUAdam writing the low-precision copy in its pass (offload)
-    fused: bool = False  # FusedAdam taking reduced gradients as they are (CUDA)
-    mixed: bool = False  # CPUAdam over 16-bit masters and/or states (OptimizerPrecision)
 
 
 class ShardedOptimizer(ShardStateIO, torch.optim.Optimizer):
     def __init__(self, base: torch.optim.Optimizer, flat_groups: list[FlatParamGroup],
                  reducer: GradReducer, comm: Comm, *, sharding: Sharding, settings: StepSettings,
                  loss_scaler: LossScaler | None = None, offload: OptimizerOffload | None = None,
-                 fetcher=None, param_names: dict[int, str] | None = None, swap=None,
+                 param_sync: ParamSync, param_names: dict[int, str] | None = None, swap=None,
                  clock, precision: OptimizerPrecision | None = None,
                  element_index: dict[int, int] | None = None):
         """Collaborators: ``reducer`` makes the gradients final, ``offload`` (optional) holds
-        the step's host buffers, ``fetcher`` (stage 3) refreshes segments gathered across the
-        step. ``swap`` (NVMe offload): the OptimizerSwap holding the masters on the drive; the
-        state joins them, and each sub-group becomes one of its tiles. ``precision``: the
+        the step's host buffers, ``param_sync`` makes the updated masters the model's values
+        on every rank (param_sync.py). ``swap`` (NVMe offload): the OptimizerSwap holding the
+        masters on the drive; the state joins them, and each sub-group becomes one of its
+        tiles. ``precision``: the
         dtypes of masters and states (bf16/fp16 master keys); ``element_index``: id(param)
         -> the index of its first element in the model, where stochastic rounding's random
         bits come from."""
@@ -95,7 +78,7 @@ class ShardedOptimizer(ShardStateIO, torch.optim.Optimizer):
         self._zero_grad_profile_name = "ShardedOptimizer.zero_grad"
         self.base_class = type(base)
         self.flat_groups = flat_groups
-        self.reducer, self.offload, self.fetcher = reducer, offload, fetcher
+        self.reducer, self.offload, self.param_sync = reducer, offload, param_sync
         self.comm, self.sharding, self.settings = comm, sharding, settings
         self.last_grad_norm: float | None = None
         self.loss_scaler = loss_scaler
@@ -107,13 +90,16 @@ class ShardedOptimizer(ShardStateIO, torch.optim.Optimizer):
         # torch.nn.utils.clip_grad_norm_ called by the user's loop: (max_norm, norm, backward
         # passes seen then), applied by the next step (see drop_in.py)
         self._user_clip: tuple[float, float, int] | None = None
-        self.parts: list[InnerPart] = []
-        self.owned: dict[int, OwnedParams] = {}  # flat group index -> its owners' view
-        self._part_of: dict[int, int] = {}  # flat group index -> index into self.parts
         self.precision = precision or OptimizerPrecision()
         self.element_index = element_index or {}
         self._index_runs: dict[tuple[int, int], torch.Tensor] = {}  # stochastic rounding's
-        self._build_inner(base)
+        built = build_inner_parts(base, self.param_groups, flat_groups, comm, offload,
+                                  self.precision)
+        self.parts: list[InnerPart] = built.parts
+        self.owned: dict[int, OwnedParams] = built.owned  # flat group index -> its owners' view
+        self._part_of = built.part_of  # flat group index -> index into self.parts
+        self._inner_of_outer = built.inner_of_outer  # user group -> its inner groups
+        self.inner = built.inner
         limit = settings.sub_group_numel
         if any(fg.remainder is not None for fg in flat_groups):
             # the fp32 masters rebuilt from remainders live for their sub-group's step: a
@@ -132,87 +118,6 @@ class ShardedOptimizer(ShardStateIO, torch.optim.Optimizer):
                     "'cpu' for it")
             swap.attach(self.flat_groups, self.sub_groups,
                         lambda fi: self.parts[self._part_of[fi]].optimizer.state)
-
-    def _build_inner(self, base: torch.optim.Optimizer) -> None:
-        """One inner optimizer per (user optimizer, kind of update), over the rank's master
-        chunks (elementwise) or the whole parameters it owns (tensorwise), chained so that
-        ``self.inner`` reads like one optimizer (state, state_dict, param_groups)."""
-        members = base.member_of_group() if isinstance(base, OptimizerChain) \
-            else [base] * len(self.param_groups)
-        kinds = [optimizer_kind(members[gi], group) for gi, group in enumerate(self.param_groups)]
-        plan: dict[tuple[int, str], list[int]] = {}
-        for fi, fg in enumerate(self.flat_groups):
-            gi = fg.group_index
-            plan.setdefault((id(members[gi]), kinds[gi]), []).append(fi)
-        member_by_id = {id(m): m for m in members}
-        self._inner_of_outer: list[list[int]] = [[] for _ in self.param_groups]
-        inner_index = 0
-        for (member_id, kind), flat_indices in plan.items():
-            member = member_by_id[member_id]
-            groups = []
-            for fi in flat_indices:
-                fg = self.flat_groups[fi]
-                hyper = {k: v for k, v in self.param_groups[fg.group_index].items()
-                         if k not in IMPLEMENTATION_KEYS}
-                if kind == TENSORWISE:
-                    owned = self.owned[fi] = OwnedParams(fg, self.comm)
-                    params = owned.params
-                else:
-                    params = list(fg.master_segments)
-                groups.append({"params": params, **hyper})
-                self._inner_of_outer[fg.group_index].append(inner_index)
-                inner_index += 1
-                self._part_of[fi] = len(self.parts)
-            fg0 = self.flat_groups[flat_indices[0]]
-            mixed = self._needs_mixed(member, kind, flat_indices)
-            if mixed:
-                optimizer = build_mixed_inner(member, groups, self.precision)
-            elif kind == TENSORWISE:
-                for fi in flat_indices:  # a constructor may look at the values
-                    self.owned[fi].acquire()
-                optimizer = build_inner(member, groups)
-                for fi in flat_indices:
-                    self.owned[fi].release()
-            elif self.offload is None:
-                optimizer = build_device_inner(member, groups, torch.device(fg0.device))
-            else:
-                optimizer = build_host_inner(member, groups)
-            self.parts.append(InnerPart(
-                optimizer, kind, tuple(flat_indices),
-                # CPUAdam writes the bf16/fp16 copy of what it updates in the same pass
-                copy_out=self.offload is not None and isinstance(optimizer, CPUAdam),
-                # FusedAdam (CUDA) also takes the gradient as it is (bf16, scaled) with the
-                # unscale / clip coefficient, so no fp32 copy or scaling pass precedes it
-                fused=self.offload is None and isinstance(optimizer, FusedAdam),
-                mixed=mixed))
-        self.inner = OptimizerChain([part.optimizer for part in self.parts]) \
-            if len(self.parts) != 1 else self.parts[0].optimizer
-
-    def _needs_mixed(self, member, kind: str, flat_indices) -> bool:
-        """Whether these groups step with 16-bit masters or states (CPUAdam's mixed step);
-        refuses, by name, an optimizer that cannot (only Adam/AdamW computes its update in
-        fp32 and rounds it into 16-bit storage here)."""
-        fgs = [self.flat_groups[fi] for fi in flat_indices]
-        low_master = any(fg.master_format == LOW_MASTER for fg in fgs)
-        if not low_master and self.precision.states == torch.float32:
-            return False
-        keys = ([f"{'fp16.fp16' if fgs[0].dtype == torch.float16 else 'bf16.bf16'}"
-                 "_master_weights_and_grads"] if low_master else []) + \
-            (["bf16.bf16_optimizer_states"] if self.precision.states != torch.float32 else [])
-        name = type(member).__name__
-        if kind == TENSORWISE:
-            raise ValueError(
-                f"{' and '.join(keys)}: {name} updates whole tensors (tensor-wise) and keeps its "
-                "own state dtypes; zeroengine rounds 16-bit masters and states only in its fused "
-                "Adam/AdamW step. Use bf16.store_param_remainders (exact, any optimizer) or "
-                "leave these keys off for it")
-        if cpu_adam_mode(member) is None:
-            raise ValueError(
-                f"{' and '.join(keys)}: supported for torch.optim.Adam/AdamW (without amsgrad, "
-                f"maximize, differentiable, capturable or a tensor lr), whose update the fused "
-                f"step computes in fp32 and rounds into 16-bit storage; {name} would compute in "
-                "bf16 itself. Use bf16.store_param_remainders (exact, any optimizer) instead")
-        return True
 
     def _runs(self, fi: int, s: int) -> torch.Tensor:
         """Stochastic rounding: segment s of group fi's chunk as int64 [k, 3] runs (first
@@ -381,7 +286,7 @@ class ShardedOptimizer(ShardStateIO, torch.optim.Optimizer):
                                    "'skip'; %d steps skipped so far)", self.steps,
                                    self.skipped_steps + 1)
                 return False
-            raise NonFiniteGradientError(self._nonfinite_message(grads))
+            raise NonFiniteGradientError(nonfinite_message(self, grads))
         coef = 1.0 / scale
         if user_clip is not None:  # the user's loop called clip_grad_norm_ before step()
             max_norm, user_norm, _ = user_clip
@@ -391,7 +296,6 @@ class ShardedOptimizer(ShardStateIO, torch.optim.Optimizer):
             # The coefficient torch.nn.utils.clip_grad_norm_ applies, on unscaled gradients.
             coef *= min(self.settings.clip / (norm + 1e-6), 1.0)
         self._sync_hyperparameters()
-        in_flight: list[tuple[Handle, int]] = []
         for tile, batch in enumerate(self.sub_groups):
             if self.swap is not None:
                 self.swap.acquire(tile)  # read from the drive (or read ahead already)
@@ -404,7 +308,7 @@ class ShardedOptimizer(ShardStateIO, torch.optim.Optimizer):
                 written |= self._step_entries(self.parts[k], entries, grads, coef)
             written |= self._settle_remainders(joined)
             copies: list[Handle] = []
-            in_flight = self.publish(batch, written, in_flight, copies)
+            self.param_sync.start(batch, written, copies)
             if self.swap is not None:
                 self.swap.release(tile, copies)
         for fi, owned in self.owned.items():
@@ -416,13 +320,8 @@ class ShardedOptimizer(ShardStateIO, torch.optim.Optimizer):
             joined = self._join_remainders([(fi, s) for s in segments])
             owned.step(self.parts[self._part_of[fi]].optimizer, masters, group_grads, coef)
             written = self._settle_remainders(joined)
-            in_flight = self.publish([(fi, s) for s in segments], written, in_flight)
-        for handle, _ in in_flight:
-            handle.wait()
-        if self.fetcher is not None and (self.fetcher.gathered or self.fetcher.secondary):
-            if self.offload is not None:
-                self.offload.finish_step()  # refreshed segments read the updated chunks
-            self.fetcher.refresh_gathered()
+            self.param_sync.start([(fi, s) for s in segments], written)
+        self.param_sync.finish()
         return True
 
     def _join_remainders(self, batch) -> list[tuple[int, int]]:
@@ -520,99 +419,25 @@ class ShardedOptimizer(ShardStateIO, torch.optim.Optimizer):
         inner.step(low_precision_copies=lows, grad_coef=coef, grads=grad_of)
         return written
 
-    def publish(self, batch, written: set, in_flight: list[tuple[Handle, int]],
-                copies: list[Handle] | None = None):
-        """Make the updated masters of ``batch`` ((group, segment) pairs) the model's values,
-        unless the step wrote them already (``written``), and start gathering whole groups'
-        chunks to every rank (stages 1-2; stage 3 gathers on use instead). Returns the gathers
-        in flight; the offload's copies out of the masters are appended to ``copies``."""
-        for fi, s in batch:
-            fg = self.flat_groups[fi]
-            copied = None
-            if self.offload is not None:
-                copied = self.offload.publish(fi, s, written=(fi, s) in written)
-                if copies is not None:
-                    copies.append(copied)
-            elif (fi, s) not in written:
-                fg.master_to_chunks([s])
-            if fg.sharded and not fg.partitioned:
-                if copied is not None:
-                    copied.wait()  # the gather reads the chunk the copy writes
-                in_flight = self._all_gather_segment(fg, s, in_flight)
-        return in_flight
-
     def republish(self) -> None:
         """Every master (changed outside a step: a checkpoint load) becomes the model's
         values on every rank, as after a step. Collective."""
-        everything = [(fi, s) for fi, fg in enumerate(self.flat_groups)
-                      for s in range(len(fg.layout.segments))]
         if self.swap is not None:  # a tile at a time, read and not written back
-            in_flight = []
             try:
                 for tile, batch in enumerate(self.sub_groups):
                     self.swap.acquire(tile)
                     copies: list[Handle] = []
-                    in_flight = self.publish(batch, set(), in_flight, copies)
+                    self.param_sync.start(batch, set(), copies)
                     self.swap.release(tile, copies, changed=False)
             finally:
                 self.swap.finish()
         else:
-            in_flight = self.publish(everything, set(), [])
-        for handle, _ in in_flight:
-            handle.wait()
-        if self.offload is not None:
-            self.offload.finish_step()
-        if self.fetcher is not None:
-            self.fetcher.refresh_gathered()
-
-    def _first_nonfinite(self, grads: list[list[torch.Tensor]]) -> tuple | None:
-        """(group, flat index, parameter name) of this rank's first inf/NaN gradient element."""
-        for fi, fg in enumerate(self.flat_groups):
-            for s, g in enumerate(grads[fi]):
-                bad = (~torch.isfinite(g)).nonzero()
-                if bad.numel() == 0:
-                    continue
-                seg = fg.layout.segments[s]
-                start = seg.start if len(g) == seg.numel else seg.chunk_range(fg.rank)[0]
-                flat_index = start + int(bad[0, 0])
-                for i in seg.params:
-                    slot = fg.layout.slots[i]
-                    if slot.offset <= flat_index < slot.offset + slot.numel:
-                        return fi, flat_index, self.param_names.get(id(fg.params[i]),
-                                                                    f"#{i} of group {fi}")
-        return None  # only padding is non-finite here, or nothing
-
-    def _nonfinite_message(self, grads: list[list[torch.Tensor]]) -> str:
-        """Collective: the step and the first parameter (in model order over all ranks'
-        shards) whose reduced gradient holds an inf/NaN."""
-        found = self._first_nonfinite(grads)
-        everyone = [f for f in self.comm.all_gather_object(found) if f is not None]
-        if everyone:
-            _, _, name = min(everyone)
-            which = f"the gradient of {name!r} holds inf/NaN"
-        else:
-            which = "the gradient norm is not finite"
-        return (f"step {self.steps}: {which} (after the reduction over ranks, so any rank's "
-                "data may have caused it). Without fp16 loss scaling nothing skips such a step; "
-                "check the data and learning rate, or set \"on_nonfinite\": \"skip\" to skip "
-                "these steps")
+            self.param_sync.start([(fi, s) for fi, fg in enumerate(self.flat_groups)
+                                   for s in range(len(fg.layout.segments))], set())
+        self.param_sync.finish(refresh=True)
 
     # Tells torch's LRScheduler that step() already records _opt_called, so it does not warn.
     step._wrapped_by_lr_sched = True
-
-    def _all_gather_segment(self, fg: FlatParamGroup, s: int,
-                            in_flight: list[tuple[Handle, int]]) -> list[tuple[Handle, int]]:
-        """Start gathering every rank's updated chunk of segment s, keeping at most
-        allgather_bucket_numel elements in flight."""
-        full = fg.full.segment_view(s)
-        if sum(n for _, n in in_flight) + full.numel() > self.settings.allgather_bucket_numel:
-            for handle, _ in in_flight:
-                handle.wait()
-            in_flight = []
-        handle = self.comm.all_gather(full, fg.chunk(s), async_op=True,
-                                      what=lambda: f"updated parameters, segment {s} of "
-                                      f"param group {fg.group_index}")
-        return in_flight + [(handle, full.numel())]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the flat gradient buffers. ``set_to_none`` is ignored: at stages 0-1 each
@@ -622,72 +447,3 @@ class ShardedOptimizer(ShardStateIO, torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         raise RuntimeError("parameter groups are fixed once zeroengine.initialize() has laid the "
                            "parameters out; add them to the optimizer before initialize()")
-
-    # -- state -----------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """This rank's shard of the optimizer state and every group's hyperparameters.
-
-        Loading needs the same world size and stage; checkpoints (engine.save_checkpoint) are the
-        way to reshard."""
-        self._refuse_swapped("optimizer.state_dict()")
-        inner = self.inner.state_dict()
-        groups = []
-        for group in self.param_groups:
-            groups.append({k: v for k, v in group.items() if k != "params"})
-        return {"state": inner["state"], "param_groups": groups,
-                "inner_param_groups": inner["param_groups"],
-                "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None,
-                "skipped_steps": self.skipped_steps,
-                "zero": {"rank": self.comm.rank, "world_size": self.comm.world_size,
-                         "stage": self.sharding.stage,
-                         "shard_numels": [fg.layout.shard_numel for fg in self.flat_groups]}}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        self._refuse_swapped("optimizer.load_state_dict()")
-        meta = state_dict.get("zero")
-        if meta is None:
-            raise ValueError("this is not a zeroengine optimizer state dict (no 'zero' entry); "
-                             "a plain torch optimizer state cannot be loaded into shards")
-        mine = {"world_size": self.comm.world_size, "stage": self.sharding.stage,
-                "shard_numels": [fg.layout.shard_numel for fg in self.flat_groups]}
-        for key, value in mine.items():
-            if meta[key] != value:
-                raise ValueError(f"optimizer state was saved with {key}={meta[key]} but this "
-                                 f"engine has {key}={value}; use engine.load_checkpoint(), which "
-                                 "reshards")
-        if meta.get("rank", self.comm.rank) != self.comm.rank:
-            raise ValueError(
-                f"rank {self.comm.rank} was given the optimizer state of rank {meta['rank']}: "
-                "optimizer.state_dict() holds only the saving rank's shard, so a file saved on "
-                "one rank (e.g. `if master_process: torch.save(optimizer.state_dict())`) cannot "
-                "restore the others. Save with engine.save_checkpoint(dir) on every rank and "
-                "resume with engine.load_checkpoint(dir), or save each rank's state_dict to its "
-                "own file")
-        if len(state_dict["param_groups"]) != len(self.param_groups):
-            raise ValueError(f"optimizer state has {len(state_dict['param_groups'])} param groups,"
-                             f" this optimizer has {len(self.param_groups)}")
-        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
-            group.update({k: v for k, v in saved.items() if k != "params"})
-        self.inner.load_state_dict({"state": state_dict["state"],
-                                    "param_groups": state_dict["inner_param_groups"]})
-        if self.loss_scaler is not None and state_dict.get("loss_scaler"):
-            self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
-        self.skipped_steps = state_dict.get("skipped_steps", 0)
-
-    def _refuse_swapped(self, what: str) -> None:
-        if self.swap is not None:
-            raise RuntimeError(
-                f"{what} would hold this rank's whole optimizer state in memory, which "
-                "offload_optimizer.device 'nvme' keeps on the drive; save and resume with "
-                "engine.save_checkpoint(dir) / engine.load_checkpoint(dir), which read and write "
-                "it a tile at a time")
-
-    def state_nbytes(self) -> int:
-        """Bytes of the inner optimizer's state tensors (in host memory when offloaded)."""
-        total = 0
-        for per_param in self.inner.state.values():
-            for value in per_param.values():
-                if torch.is_tensor(value):
-                    total += value.numel() * value.element_size()
-        return total
-

@@ -26,62 +26,26 @@ gathered on demand, and one prefetched but never used is released when the pass 
 """
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn as nn
 
-from ...config import auto_stage3_window
+from ...config import AUTO
 from ...distributed.comm import Comm
 from ...distributed.handles import GATHER, PREFETCH, Handle
-from ...errors import RankDivergenceError, ShardedParameterAccessError
-from ..compat.compiled import eager_stance, is_compiled, uncompiled
+from ...ops.quantize import DEFAULT_BLOCK as QUANT_BLOCK
+from ..compat.compiled import uncompiled
 from ..compat.drop_in import EngineHook
 from ..layout.flat_param_group import FlatParamGroup
 from ..layout.param_layout import fetching_modules, parameter_owners
+from .gather_check import NO_KEY, GatherOrderCheck, GatherPurpose
+from .module_hooks import ModuleHooks
+from .prefetch import Phase, PrefetchPlan, _Order, auto_window
 from .sharded_param import mark_sharded, unmark_sharded
 
 Key = tuple[int, int]  # (index of the partitioned group, segment)
-
-class Phase(enum.Enum):
-    """The pass under way: the fetcher records (first step) and follows (after) one gather
-    order per phase."""
-    FORWARD = "forward"
-    BACKWARD = "backward"
-
-
-class GatherPurpose(enum.IntEnum):
-    """Why a segment is gathered, as the gather-order check compares it across ranks (an int
-    on the wire)."""
-    FORWARD = 0
-    FORWARD_NO_GRAD = 1
-    BACKWARD = 2
-    USER = 3
-    REFRESH = 4
-
-    @property
-    def described(self) -> str:
-        return _DESCRIBED[self]
-
-
-_DESCRIBED = {GatherPurpose.FORWARD: "a forward",
-              GatherPurpose.FORWARD_NO_GRAD: "a forward without gradients (evaluation, "
-              "generation)", GatherPurpose.BACKWARD: "a backward",
-              GatherPurpose.USER: "a gathered_parameters block",
-              GatherPurpose.REFRESH: "the refresh after a step"}
-_NO_KEY = (-1, -1)  # the check at the start of a forward, before any segment
-
-
-def _described(purpose: int) -> str:
-    """A purpose another rank sent: described, or '?' for a number this version does not
-    know."""
-    try:
-        return GatherPurpose(purpose).described
-    except ValueError:
-        return "?"
-
 
 @dataclass
 class _Gathered:
@@ -101,19 +65,24 @@ class _Gathered:
         return self.refs > 0 or self.user_refs > 0
 
 
-@dataclass
-class _Order:
-    """Segments in the order they were first requested in one training step."""
-    keys: list[Key] = field(default_factory=list)
-    seen: set[Key] = field(default_factory=set)
+class ParamFetcher(ModuleHooks, PrefetchPlan):
+    @classmethod
+    def from_config(cls, module: nn.Module, groups: list[FlatParamGroup], comm: Comm, topology,
+                    zero) -> ParamFetcher:
+        """The fetcher of ``groups`` (the partitioned ones) as the config's zero_optimization
+        section ``zero`` and the topology (hpZ's secondary group) say."""
+        window = auto_window(groups)
+        return cls(module, groups, comm, gather_comm=topology.shard,
+                   secondary_comm=topology.secondary,
+                   quantize_block=QUANT_BLOCK if zero.zero_quantized_weights else 0,
+                   prefetch_numel=window if zero.stage3_prefetch_bucket_size == AUTO
+                   else zero.stage3_prefetch_bucket_size,
+                   max_reuse_numel=window if zero.stage3_max_reuse_distance == AUTO
+                   else zero.stage3_max_reuse_distance,
+                   max_live_numel=zero.stage3_max_live_parameters,
+                   check_order=zero.stage3_check_gather_order,
+                   leaf_modules=zero.stage3_leaf_modules)
 
-    def add(self, key: Key) -> None:
-        if key not in self.seen:
-            self.seen.add(key)
-            self.keys.append(key)
-
-
-class ParamFetcher:
     def __init__(self, module: nn.Module, groups: list[FlatParamGroup], comm: Comm, *,
                  prefetch_numel: int, max_live_numel: int, max_reuse_numel: int,
                  check_order: bool = True, leaf_modules=(), gather_comm: Comm | None = None,
@@ -136,7 +105,6 @@ class ParamFetcher:
         self.check_order = check_order and self.check_ranks
         if self.check_ranks:
             comm.open_check_group()
-        self._checks = 0  # gathers compared across ranks so far
         self.comm = comm
         self.gather_comm = gather_comm or comm
         self.secondary_comm = secondary_comm
@@ -155,6 +123,7 @@ class ParamFetcher:
                     where[id(g.params[i])] = (gi, s)
         self.where = where
         self._param_names = {id(p): name for name, p in uncompiled(module).named_parameters()}
+        self._check = GatherOrderCheck(comm, self._names_of)  # (used only when check_ranks)
         self._hooks = []
         self.module_keys: dict[nn.Module, list[Key]] = {}
         # segment -> the modules whose own parameters it holds (several: a fetch unit grouping
@@ -208,71 +177,6 @@ class ParamFetcher:
         self.passes = 0  # backward passes ended
         self.prefetch_hits = 0
 
-    # -- module hooks ------------------------------------------------------------------------
-    def _pre_forward(self, module, args):
-        if module is self.root:
-            self._root_depth += 1
-            if self._root_depth == 1 and self._first_forward and is_compiled(self.root):
-                self._stance = eager_stance()
-        self._running.append(module)
-        if self._recording is not None:
-            self._ran.add(id(module))
-        self.acquire(self.module_keys[module], module=module)
-
-    def _post_forward(self, module, args, output):
-        if self._running and self._running[-1] is module:
-            self._running.pop()
-        keys = self.module_keys[module]
-        self.release(keys, module=module)
-        if torch.is_grad_enabled() and keys:
-            # The gradient of an output exists just before the module's own backward runs.
-            # A plain tensor hook survives later in-place ops on the output (it then sees the
-            # gradient of the pre-in-place value), which a custom autograd Function would not.
-            for t in _tensor_leaves(output):
-                if t.requires_grad:
-                    t.register_hook(lambda grad, keys=keys: self.gather_for_backward(keys))
-
-    def _after_root_forward(self, module, args, output):
-        self._root_depth = max(0, self._root_depth - 1)
-        if self._root_depth:
-            return  # a nested call of the root: the outer forward goes on
-        self._first_forward = False
-        if self._stance is not None:
-            self._stance.__exit__(None, None, None)
-            self._stance = None
-        self._running.clear()  # a forward that raised inside never ran its post hooks
-        self._reached[Phase.FORWARD] = -1
-        if not torch.is_grad_enabled():  # no backward follows: drop unused prefetches now
-            for entry in self.gathered.values():
-                entry.pending = None
-            self.release_unheld()
-
-    def read_released(self, param: torch.Tensor, what: str) -> None:
-        """A torch call (``what``) reads a partitioned parameter whose segment is not gathered
-        (sharded_param.py). Inside the model's forward - which every rank runs alike - gather
-        it for the module running now and remember it as that module's, so it is gathered with
-        the module's own parameters from then on and again for its backward (a module using a
-        child's weight without calling the child, e.g. nn.MultiheadAttention's out_proj).
-        Anywhere else, refuse by name."""
-        key = self.where[id(param)]
-        if not self._running:
-            name = self._param_names.get(id(param), tuple(param.shape))
-            raise ShardedParameterAccessError(
-                f"parameter {name!r} is partitioned by ZeRO stage 3 and not gathered here "
-                f"({what} outside the model's forward): its values live sharded across the "
-                "ranks. Read or change it inside `with zeroengine.gathered_parameters(params, "
-                "modifier_rank=...)` (every rank enters it), take a full state dict with "
-                "engine.consolidated_state_dict() (model.state_dict() cannot hold sharded "
-                "values), or keep small parameters whole with zero_optimization."
-                "stage3_param_persistence_threshold")
-        module = self._running[-1]
-        keys = self.module_keys[module]
-        if key not in keys:
-            keys.append(key)  # the same list _post_forward releases and backward re-gathers
-            self.acquire([key])
-        else:  # held by this module but freed under it (should not happen): gather again
-            self._ready(key)
-
     # -- gather / release ----------------------------------------------------------------------
     def _segment_numel(self, key: Key) -> int:
         return self.groups[key[0]].layout.segments[key[1]].numel
@@ -282,8 +186,8 @@ class ParamFetcher:
         g = self.groups[gi]
         verify = None
         if self.check_order:  # compared when the gather is waited for (see _wait)
-            verify = self._check_same_gather(key, GatherPurpose.USER if user else self._purpose(),
-                                             async_op=True)
+            purpose = GatherPurpose.USER if user else self._purpose()
+            verify = self._check.exchange(key, purpose, async_op=True)
         full = g.segment_full[s]
         full.untyped_storage().resize_(full.numel() * full.element_size())
         entry = self._gather_into(key, full, g.chunk_on_device(s), prefetch, user)
@@ -334,22 +238,7 @@ class ParamFetcher:
     def check_forward_start(self) -> None:
         """Before the model's forward (and its buffer broadcast): every rank starts the same
         kind of forward. Catches rank-0-only evaluation before any collective can mismatch."""
-        self._check_same_gather(_NO_KEY, self._purpose())
-
-    def _check_same_gather(self, key: Key, purpose: GatherPurpose, async_op: bool = False):
-        """Every rank must gather the same segment for the same purpose (each gather is a
-        collective): exchange (check number, segment, purpose) on the host-side check group and
-        raise on every rank, with what each was doing, if they differ. With ``async_op`` the
-        exchange runs beside the gather and the returned callable compares: the gathered
-        values are used only after it passed (``_wait``), so mismatched gathers - same sizes
-        pair silently - never reach the model."""
-        self._checks += 1
-        rows = self.comm.gather_ints([self._checks, key[0], key[1], int(purpose)],
-                                     what="the stage-3 gather-order check", async_op=async_op)
-        if async_op:
-            return lambda: self._compare(rows())
-        self._compare(rows)
-        return None
+        self._check.exchange(NO_KEY, self._purpose())
 
     def _wait(self, entry: _Gathered) -> None:
         """The gather of ``entry`` is complete and its order check passed."""
@@ -359,21 +248,6 @@ class ParamFetcher:
         if entry.handle is not None:
             entry.handle.wait()
             entry.handle = None
-
-    def _compare(self, rows: list[list[int]]) -> None:
-        if all(row == rows[0] for row in rows):
-            return
-        doing = "; ".join(
-            f"rank {r}: " + ("starting" if (gi, s) == _NO_KEY else
-                             f"gathering {self._names_of((gi, s))} for")
-            + f" {_described(p)} (check #{n})" for r, (n, gi, s, p) in enumerate(rows))
-        raise RankDivergenceError(
-            f"stage-3 ranks diverged: {doing}. "
-            "At stage 3 every forward and backward is collective: each rank must run the same "
-            "passes of the model in the same order. Run evaluation and generate() on every rank "
-            "(each on its own data), not on rank 0 only; for rank-0-only work take the weights "
-            "with engine.consolidated_state_dict() into a separate model; for MoE-style blocks "
-            "that run on some ranks only, list them in zero_optimization.stage3_leaf_modules")
 
     def _names_of(self, key: Key) -> str:
         """The parameters of a segment, for error messages: 'a.weight' or 'a.weight .. b.bias
@@ -513,7 +387,7 @@ class ParamFetcher:
             self._wait(entry)
             g = self.groups[key[0]]
             if self.check_order:
-                self._check_same_gather(key, GatherPurpose.REFRESH)
+                self._check.exchange(key, GatherPurpose.REFRESH)
             # synchronous: user code holding the segment reads the parameters directly
             self.gather_comm.all_gather(g.segment_full[key[1]], g.chunk_on_device(key[1]))
             entry.handle = None
@@ -522,57 +396,6 @@ class ParamFetcher:
     def release_unheld(self) -> None:
         for key in [k for k, e in self.gathered.items() if not e.held]:
             self._free(key)
-
-    def _reused_soon(self, key: Key) -> bool:
-        """Whether a segment released in forward is used again in the backward soon enough to
-        keep it: within ``max_reuse_numel`` elements gathered from here (the rest of forward,
-        then backward up to it, along the recorded order) and under ``max_live_numel``.
-        Only forward -> backward: a segment kept past backward would be stale after the
-        optimizer step and gathered again anyway."""
-        if self._phase is not Phase.FORWARD or self.max_reuse_numel <= 0 \
-                or self._recording is not None or not torch.is_grad_enabled() \
-                or key not in self._positions[Phase.BACKWARD]:
-            return False
-        here = max(self._reached[Phase.FORWARD], self._positions[Phase.FORWARD].get(key, -1))
-        forward = self._before[Phase.FORWARD]
-        distance = forward[-1] - forward[min(here + 1, len(forward) - 1)] + \
-            self._before[Phase.BACKWARD][self._positions[Phase.BACKWARD][key]]
-        if distance > self.max_reuse_numel:
-            return False
-        # kept, it must still leave room under max_live for a module of its size to gather
-        # (summed over what is gathered: only for a segment within the reuse distance)
-        return self.gathered_numel() + self._segment_numel(key) <= self.max_live_numel
-
-    # -- prefetch ------------------------------------------------------------------------------
-    def _prefetch_after(self, keys: list[Key]) -> None:
-        order, positions = self._orders[self._phase], self._positions[self._phase]
-        if not order:
-            return
-        position = max((positions.get(k, -1) for k in keys), default=-1)
-        if position < 0:
-            return
-        position = max(position, self._reached[self._phase])
-        if self.prefetch_numel > 0:
-            self._reached[self._phase] = position
-            budget = self.prefetch_numel
-            live = self.gathered_numel()
-            for key in order[position + 1:]:
-                numel = self._segment_numel(key)
-                if numel > budget or live + numel > self.max_live_numel:
-                    break
-                budget -= numel
-                if key not in self.gathered:
-                    self._start(key, prefetch=True)
-                    live += numel
-        self._read_ahead(order[position + 1:])  # from the drive: even without prefetching
-
-    def _read_ahead(self, keys: list[Key]) -> None:
-        """offload_param nvme: start reading the chunks of the segments coming next from the
-        drive (ParamSwap bounds how many), so the gathers beyond the window find them."""
-        swap = self.groups[0].param_swap if self.groups else None
-        if swap is not None:
-            swap.read_ahead([(self.groups[gi].param_index, s) for gi, s in keys[:256]
-                             if (gi, s) not in self.gathered])
 
     def gathered_numel(self) -> int:
         return sum(self._segment_numel(k) for k in self.gathered)
@@ -594,21 +417,3 @@ class ParamFetcher:
         for g in self.groups:
             for p in g.params:
                 unmark_sharded(p)
-
-
-def auto_window(groups: list[FlatParamGroup]) -> int:
-    """Stage 3's "auto" prefetch window and reuse distance for these groups (config.py's
-    auto_stage3_window)."""
-    sizes = [seg.numel for g in groups for seg in g.layout.segments]
-    return auto_stage3_window(sum(sizes), max(sizes, default=0))
-
-
-def _tensor_leaves(output) -> list[torch.Tensor]:
-    """The tensors in a module's output (a tensor, or tuples/lists/dicts of them)."""
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, (tuple, list)):
-        return [t for item in output for t in _tensor_leaves(item)]
-    if isinstance(output, dict):
-        return [t for item in output.values() for t in _tensor_leaves(item)]
-    return []

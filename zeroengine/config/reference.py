@@ -1,18 +1,20 @@
 """docs/config.md (and the job's docs/job.md), generated from the schema's declarations in
-config.py and the policy tables in config_policy.py by `make docs`."""
+config.py and the policy tables in config/policy.py by `make docs`."""
 from __future__ import annotations
 
 import dataclasses
 import json
 import typing
 
-from .config import COMMENT_PREFIX, Config, _range_text, _unwrap_optional
-from .config_policy import NO_EFFECT, REFUSED
+from .fields import COMMENT_PREFIX
+from .parse import _range_text, _unwrap_optional
+from .policy import NO_EFFECT, REFUSED
+from .schema import Config
 
 
 def reference_markdown() -> str:
-    lines = ["# Config reference", "", "Generated from `zeroengine/config.py` and "
-             "`zeroengine/config_policy.py` by `make docs`; do not edit by hand.", ""]
+    lines = ["# Config reference", "", "Generated from the declarations in `zeroengine/config/` "
+             "(and `config/policy.py`) by `make docs`; do not edit by hand.", ""]
     lines += section_markdown(Config, "")
     lines += [f"Keys starting with `{COMMENT_PREFIX}` are comments and are skipped at any level.",
               ""]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable
 
-from .errors import ConfigNotice
+from ..errors import ConfigNotice
 
 _noticed: set[str] = set()
 
