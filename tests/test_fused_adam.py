@@ -104,7 +104,7 @@ CASES = [("fp32", s, "adamw", 1.0) for s in (0, 1, 2, 3)] + \
 def train_with_fused_step(cases):
     """test_precision's training, with the inner optimizer FusedAdam on its PyTorch path (on a
     GPU the engine picks it itself, with the kernels)."""
-    import zeroengine.core.optim.sharded_optimizer as engine_optim
+    import zeroengine.core.optim.inner_parts as engine_optim  # where the inner optimizers are built
     from zeroengine.core.optim.factory import cpu_adam_mode
 
     def fused_inner(base, groups, device):
@@ -135,7 +135,7 @@ def resume_across_optimizers(root: str, stage: int):
     from harness import make_optimizer, param_groups, precision_config, run_step
 
     import zeroengine
-    import zeroengine.core.optim.sharded_optimizer as engine_optim
+    import zeroengine.core.optim.inner_parts as engine_optim  # where the inner optimizers are built
 
     def engine_with(inner_builder):
         engine_optim.build_device_inner = inner_builder
