@@ -29,7 +29,7 @@ def pytest_configure(config):
 # functions they call (two levels): anything that reaches one of these starts processes.
 _STARTS_PROCESSES = ("run_ranks(", "train_on_ranks(", "subprocess", "Popen", "torchrun",
                      "spawn(", "mp.Process", "multiprocessing", "ray.init", "launch_job(",
-                     "sys.executable")
+                     "sys.executable", "run_process_tree(")
 
 
 def _source(obj) -> str:

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import warnings
 
 import pytest
+from process_tree import run_process_tree
 
 from zeroengine.testing import free_port
 
@@ -62,6 +62,12 @@ def deepspeed_copy(path: str, out_dir: str) -> str:
 TEARDOWN_ABORT = "terminate called without an active exception"
 
 
+# DeepSpeed's own processes have hung once in CI (stage 3 bf16, resuming api_probe.py: 600 s
+# with no output after its load). The reference is not what these tests try, so a DeepSpeed run
+# that hangs is run again once, with a warning carrying where it stood; ours that hangs fails.
+REFERENCE_RETRIES = {"deepspeed": 1, "zeroengine": 0}
+
+
 def launch(script: str, args: list[str], cwd: str, engine: str, timeout: int = 600,
            expect_failure: bool = False, result: str | None = None,
            env: dict | None = None) -> str:
@@ -71,14 +77,23 @@ def launch(script: str, args: list[str], cwd: str, engine: str, timeout: int = 6
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
            "PROBE_ENGINE": engine, "PYTHONPATH": os.pathsep.join(
                [os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]), **(env or {})}
-    for _attempt in range(2):  # a port taken between free_port() and torchrun's bind: retry
+    hangs, port_taken = 0, False
+    while True:
         cmd = [sys.executable, "-m", "zeroengine.tools.launch", "--num_gpus", "2",
                "--master_port", str(free_port()), script, *args]
-        done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
-                              timeout=timeout)
-        output = done.stdout + done.stderr
-        if "address already in use" not in output.lower():
-            break
+        done = run_process_tree(cmd, cwd=cwd, env=env, timeout=timeout)
+        output = done.output
+        if done.timed_out:
+            assert hangs < REFERENCE_RETRIES[engine], \
+                f"{engine} run hung past {timeout} s; where it stood:\n{output[-12000:]}"
+            hangs += 1
+            warnings.warn(f"{engine} hung past {timeout} s (run again); where it stood:\n"
+                          f"{output[-6000:]}", stacklevel=2)
+            continue
+        if "address already in use" in output.lower() and not port_taken:
+            port_taken = True  # taken between free_port() and torchrun's bind: run again
+            continue
+        break
     if expect_failure:
         assert done.returncode != 0, f"{engine} run was expected to fail:\n{output[-3000:]}"
     elif done.returncode != 0 and TEARDOWN_ABORT in output and result is not None and \
