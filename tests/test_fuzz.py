@@ -20,7 +20,7 @@ from hypothesis_profiles import examples
 
 from zeroengine import CheckpointError, ConfigError
 from zeroengine.config import Config, parse_config
-from zeroengine.config.parse import _unwrap_optional
+from zeroengine.config.fields import declared_type
 from zeroengine.testing import run_ranks
 
 
@@ -47,17 +47,19 @@ def _value_in_schema(f: dataclasses.Field, t: type):
 
 
 def schema_configs(cls=Config, depth: int = 0):
-    """Dicts of random subsets of a config section's keys, each with an allowed value."""
+    """Dicts of random subsets of a config section's keys, each with an allowed value ("auto"
+    too where the key's type admits it)."""
     hints = typing.get_type_hints(cls)
     entries = {}
     for f in dataclasses.fields(cls):
-        t, _ = _unwrap_optional(hints[f.name])
+        t, _, auto = declared_type(hints[f.name])
         if f.name in ("optimizer", "scheduler", "job"):
             continue  # built from their own schemas elsewhere (tests/test_config.py)
         if dataclasses.is_dataclass(t):
             entries[f.name] = schema_configs(t, depth + 1)
         else:
-            entries[f.name] = _value_in_schema(f, t)
+            value = _value_in_schema(f, t)
+            entries[f.name] = st.one_of(value, st.just("auto")) if auto else value
     return st.fixed_dictionaries({}, optional=entries)
 
 

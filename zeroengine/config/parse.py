@@ -15,7 +15,7 @@ import typing
 from typing import Any
 
 from ..errors import ConfigError
-from .fields import AUTO, COMMENT_PREFIX
+from .fields import AUTO, COMMENT_PREFIX, declared_type
 from .policy import NO_EFFECT, REFUSED, notice
 from .schema import Config
 from .zero import OffloadParamConfig
@@ -37,10 +37,11 @@ def _range_text(meta, t) -> str:
     return _type_name(t)
 
 
-def _coerce(value, t, path: str, meta) -> Any:
-    """Check one leaf value against its declared type and range."""
+def _coerce(value, t, path: str, meta, auto: bool = False) -> Any:
+    """Check one leaf value against its declared type (``auto``: the type admits "auto") and
+    range."""
     if value == AUTO and isinstance(value, str):
-        if meta["auto"]:
+        if auto:
             return AUTO
         raise ConfigError(f"{path}: 'auto' is not accepted here; give {_range_text(meta, t)}")
     if isinstance(value, str) and value in meta["deprecated_values"]:
@@ -78,13 +79,6 @@ def _coerce(value, t, path: str, meta) -> Any:
             meta["hi"] is not None and value > meta["hi"]):
         raise ConfigError(f"{path}: {value} is out of range; allowed: {_range_text(meta, t)}")
     return value
-
-
-def _unwrap_optional(t):
-    if typing.get_origin(t) is typing.Union:
-        args = [a for a in typing.get_args(t) if a is not type(None)]
-        return args[0], True
-    return t, False
 
 
 # check-config's per-key report: (key, how zeroengine reads it), while collect_report() is open
@@ -143,7 +137,7 @@ def parse_section(cls, raw, path: str):
         meta = fields[name].metadata
         if key in meta.get("deprecated", ()):
             notice(full, f"deprecated by DeepSpeed; read as '{name}'")
-        t, optional = _unwrap_optional(hints[name])
+        t, optional, auto = declared_type(hints[name])
         if not dataclasses.is_dataclass(t):
             _say(full, f"accepted, no effect here: {meta['no_effect']}" if meta["no_effect"]
                  else "used" + ("" if key == name else f" (as {name})"))
@@ -152,7 +146,7 @@ def parse_section(cls, raw, path: str):
         elif dataclasses.is_dataclass(t):
             values[name] = parse_section(t, value, f"{path}.{name}" if path else name)
         else:
-            values[name] = _coerce(value, t, full, fields[name].metadata)
+            values[name] = _coerce(value, t, full, fields[name].metadata, auto)
             written = _WRITTEN_AUTO.get()
             if values[name] is AUTO and written is not None:  # under the schema's name
                 written.append(f"{path}.{name}" if path else name)

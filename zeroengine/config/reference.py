@@ -6,8 +6,8 @@ import dataclasses
 import json
 import typing
 
-from .fields import COMMENT_PREFIX
-from .parse import _range_text, _unwrap_optional
+from .fields import COMMENT_PREFIX, declared_type
+from .parse import _range_text
 from .policy import NO_EFFECT, REFUSED
 from .schema import Config
 
@@ -44,7 +44,7 @@ def section_markdown(cls, path: str) -> list[str]:
     hints = typing.get_type_hints(cls)
     rows, subs = [], []
     for f in dataclasses.fields(cls):
-        t, _ = _unwrap_optional(hints[f.name])
+        t, _, auto = declared_type(hints[f.name])
         key = f"{path}.{f.name}" if path else f.name
         if dataclasses.is_dataclass(t):
             subs.append((t, key, f.metadata["doc"]))
@@ -56,7 +56,7 @@ def section_markdown(cls, path: str) -> list[str]:
             doc += " Also spelt " + ", ".join(f"`{a}`" for a in spellings) + "."
         if f.metadata["no_effect"]:
             doc += f" *Accepted, no effect: {f.metadata['no_effect']}.*"
-        allowed = _range_text(f.metadata, t) + (", 'auto'" if f.metadata["auto"] else "")
+        allowed = _range_text(f.metadata, t) + (", 'auto'" if auto else "")
         rows.append(f"| `{key}` | `{json.dumps(default)}` | {allowed} | {doc} |")
     if rows:
         lines.extend([f"## `{path or 'top level'}`", "",

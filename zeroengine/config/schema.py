@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
-from .fields import option
+from .fields import Auto, option
 from .sections import (
     BF16Config,
     CheckpointConfig,
@@ -21,15 +21,15 @@ from .zero import AioConfig, ZeroConfig
 
 @dataclass
 class Config:
-    train_batch_size: Optional[int] = option(None, "Samples per optimizer step over all ranks: "
-                                             "micro batch x accumulation steps x world size.",
-                                             lo=1, auto=True)
-    train_micro_batch_size_per_gpu: Optional[int] = option(None, "Samples per rank per "
-                                                           "forward/backward.", lo=1, auto=True)
-    gradient_accumulation_steps: Optional[int] = option(None, "Micro-steps per optimizer step "
-                                                        "(default 1).", lo=1, auto=True)
-    gradient_clipping: float = option(0.0, "Clip the global gradient norm to this; 0 disables.",
-                                      lo=0.0, auto=True)
+    train_batch_size: Optional[Union[int, Auto]] = option(
+        None, "Samples per optimizer step over all ranks: micro batch x accumulation steps x "
+        "world size.", lo=1)
+    train_micro_batch_size_per_gpu: Optional[Union[int, Auto]] = option(
+        None, "Samples per rank per forward/backward.", lo=1)
+    gradient_accumulation_steps: Optional[Union[int, Auto]] = option(
+        None, "Micro-steps per optimizer step (default 1).", lo=1)
+    gradient_clipping: Union[float, Auto] = option(
+        0.0, "Clip the global gradient norm to this; 0 disables.", lo=0.0)
     steps_per_print: int = option(10, "Every this many optimizer steps rank 0 logs the step, "
                                   "skipped steps, learning rates and loss scale (logger "
                                   "'zeroengine', INFO; on stderr when logging is not set up), "

@@ -3,15 +3,16 @@ and checkpoint."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
-from .fields import option
+from .fields import Auto, option
 
 
 @dataclass
 class FP16Config:
-    enabled: bool = option(False, "Train in float16 with fp32 master weights and loss scaling. "
-                           "'auto': on when the model's parameters are float16.", auto=True)
+    enabled: Union[bool, Auto] = option(
+        False, "Train in float16 with fp32 master weights and loss scaling. 'auto': on when "
+        "the model's parameters are float16.")
     loss_scale: float = option(0.0, "0: dynamic loss scaling; > 0: this static scale.", lo=0.0)
     initial_scale_power: int = option(16, "Dynamic scaling starts at 2**initial_scale_power.",
                                       lo=0, hi=64)
@@ -31,8 +32,9 @@ class FP16Config:
 
 @dataclass
 class BF16Config:
-    enabled: bool = option(False, "Train in bfloat16 with fp32 master weights. 'auto': on when "
-                           "the model's parameters are bfloat16.", auto=True)
+    enabled: Union[bool, Auto] = option(
+        False, "Train in bfloat16 with fp32 master weights. 'auto': on when the model's "
+        "parameters are bfloat16.")
     bf16_master_weights_and_grads: bool = option(
         False, "The optimizer's master weights are the bfloat16 weights themselves (no fp32 "
         "copy: 0 extra bytes per parameter on the device, 2 in host memory with CPU offload); "

@@ -3,9 +3,9 @@ the offload of optimizer state and parameters (with the aio section NVMe offload
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
-from .fields import AUTO, option
+from .fields import AUTO, Auto, option
 
 
 @dataclass
@@ -79,15 +79,12 @@ class ZeroConfig:
     overlap_comm: bool = option(True, "Launch each gradient bucket's collective as soon as "
                                 "backward has produced it, overlapping communication with the "
                                 "rest of backward. False: all buckets are sent after backward.")
-    reduce_bucket_size: int = option(5_000_000, "Elements per gradient bucket (one "
-                                     "reduce-scatter / all-reduce each). Smaller buckets start "
-                                     "communicating earlier in backward and, at stage 2, bound "
-                                     "the gradient memory in flight (two buckets); larger ones "
-                                     "make fewer calls. 0: every parameter a bucket of its own. "
-                                     "\"auto\": hidden_size^2 for a model whose config "
-                                     "declares a hidden_size (as transformers fills it for "
-                                     "DeepSpeed), else the default.",
-                                     lo=0, auto=True)
+    reduce_bucket_size: Union[int, Auto] = option(
+        5_000_000, "Elements per gradient bucket (one reduce-scatter / all-reduce each). Smaller "
+        "buckets start communicating earlier in backward and, at stage 2, bound the gradient "
+        "memory in flight (two buckets); larger ones make fewer calls. 0: every parameter a "
+        "bucket of its own. \"auto\": hidden_size^2 for a model whose config declares a "
+        "hidden_size (as transformers fills it for DeepSpeed), else the default.", lo=0)
     allgather_bucket_size: int = option(50_000_000, "Most elements in flight at once in the "
                                         "all-gather of updated parameters after a step.", lo=1)
     reduce_scatter: bool = option(True, "Stages 1-2: reduce-scatter gradients to their owners. "
@@ -117,21 +114,18 @@ class ZeroConfig:
     offload_param: OffloadParamConfig = option(
         OffloadParamConfig(), "Keep parameter shards in host memory (stage 3); each is copied "
         "to the device when gathered.")
-    stage3_prefetch_bucket_size: int = option(
+    stage3_prefetch_bucket_size: Union[int, Auto] = option(
         AUTO, "Stage 3: most elements gathered ahead of their use. \"auto\": sized from the "
         "model - an eighth of the partitioned elements, at least two of its largest segments "
         "(a few layers' worth) - so that stage 3 holds a window of the model, not all of it. "
         "(DeepSpeed's default, 50,000,000, gathers the whole of any smaller model.) Written "
         "as \"auto\" in the config for a model whose config declares a hidden_size: 0.9 x "
         "hidden_size^2, as transformers fills it for DeepSpeed.", lo=0,
-        auto=True, aliases=("prefetch_bucket_size",))
-    stage3_param_persistence_threshold: int = option(100_000, "Stage 3: parameters with fewer "
-                                                     "elements stay whole on every rank. "
-                                                     "\"auto\": 10 x hidden_size for a model "
-                                                     "whose config declares one, else the "
-                                                     "default.", lo=0,
-                                                     auto=True,
-                                                     aliases=("param_persistence_threshold",))
+        aliases=("prefetch_bucket_size",))
+    stage3_param_persistence_threshold: Union[int, Auto] = option(
+        100_000, "Stage 3: parameters with fewer elements stay whole on every rank. \"auto\": "
+        "10 x hidden_size for a model whose config declares one, else the default.", lo=0,
+        aliases=("param_persistence_threshold",))
     stage3_check_gather_order: bool = option(
         True, "Stage 3: beside each parameter all-gather the ranks exchange what they gather and "
         "why (4 integers, asynchronously, on a host-side gloo group), and compare before the "
@@ -140,19 +134,19 @@ class ZeroConfig:
         "with an error saying what each rank was doing, instead of a collective size mismatch, "
         "a hang, or - when the sizes happen to agree - silently mixed parameters. The start of "
         "every forward is checked regardless. false: skip the per-gather exchange.")
-    mics_shard_size: int = option(
+    mics_shard_size: Union[int, Auto] = option(
         -1, "Hybrid sharding (stages 1-3): shard the model states over groups of this many "
         "ranks and replicate them across the groups. Gradients are reduce-scattered inside a "
         "group and only each rank's 1/K shard is all-reduced across groups; parameters are "
         "gathered inside the group. With a group per node, inter-node traffic drops to 1/K "
         "of plain ZeRO's, for K/N more memory per rank (docs/hybrid.md). -1: one group of all "
         "ranks (plain ZeRO). \"auto\": the ranks of one node (the launcher's "
-        "LOCAL_WORLD_SIZE). DeepSpeed's MiCS key.", lo=-1, auto=True)
-    zero_hpz_partition_size: int = option(
+        "LOCAL_WORLD_SIZE). DeepSpeed's MiCS key.", lo=-1)
+    zero_hpz_partition_size: Union[int, Auto] = option(
         1, "Stage 3 (ZeRO++ hpZ): keep a secondary copy of the parameters sharded over the "
         "ranks of one node (this many): after a segment's first all-gather in a step, the "
         "backward's and later micro-steps' gathers of it stay inside the node. Costs 1/K of "
-        "the parameters per rank. 1: off. \"auto\": the ranks of one node.", lo=0, auto=True)
+        "the parameters per rank. 1: off. \"auto\": the ranks of one node.", lo=0)
     zero_quantized_weights: bool = option(
         False, "Stage 3 (ZeRO++ qwZ): all-gather the model's parameter segments as blockwise "
         "int8 (256 elements per fp32 scale): 0.51x the bytes of bf16, 0.25x of fp32. Each "
@@ -168,7 +162,7 @@ class ZeroConfig:
         "entering such a module gathers every parameter under it, and its children are not "
         "fetched on their own. For MoE-style blocks whose experts run on some ranks only "
         "(DeepSpeed's set_z3_leaf_modules), so that every rank gathers the same parameters.")
-    stage3_fetch_unit_size: int = option(
+    stage3_fetch_unit_size: Union[int, Auto] = option(
         AUTO, "Stage 3: consecutive modules (in registration order) are grouped into fetch "
         "units of up to this many elements; a unit is gathered with one all-gather and its "
         "gradient reduce-scattered as one bucket, so a deep model of small modules makes a few "
@@ -176,7 +170,7 @@ class ZeroConfig:
         "fully_shard unit the same way). A module larger than this is a unit of its own. "
         "0: one unit per module. \"auto\": a sixteenth of the partitioned elements, at most "
         "1,000,000 and reduce_bucket_size (measured in benchmarks/growth_bench.py).",
-        lo=0, auto=True)
+        lo=0)
     return_free_host_memory: bool = option(
         False, "After each optimizer step, give the pages the C allocator (glibc) holds free "
         "back to the system (malloc_trim), where host memory holds the training state (a CPU "
@@ -187,14 +181,14 @@ class ZeroConfig:
     stage3_max_live_parameters: int = option(1_000_000_000, "Stage 3: most gathered elements "
                                              "alive at once.", lo=0,
                                              aliases=("max_live_parameters",))
-    stage3_max_reuse_distance: int = option(
+    stage3_max_reuse_distance: Union[int, Auto] = option(
         AUTO, "Stage 3: a segment released after its module's forward is kept instead if the "
         "backward uses it again within this many gathered elements (along the order recorded "
         "in the first step), as long as stage3_max_live_parameters allows: the last layers of "
         "a forward stay gathered for the start of backward instead of being gathered again. "
         "\"auto\": the prefetch window. 0: release every segment after its use. (DeepSpeed's "
         "default, 1,000,000,000, keeps the whole of any smaller model gathered from forward to "
-        "backward.)", lo=0, auto=True, aliases=("max_reuse_distance",))
+        "backward.)", lo=0, aliases=("max_reuse_distance",))
     stage3_gather_16bit_weights_on_model_save: bool = option(
         False, "Stage 3: let engine.save_16bit_model() gather the sharded weights and write "
         "them (without it, it writes nothing at stage 3, as in DeepSpeed).",
