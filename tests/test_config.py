@@ -315,6 +315,39 @@ def test_initialize_refusals():
         zeroengine.initialize(frozen, adam)
 
 
+# Every rule across keys (zeroengine/config/rules.py), with the key it must name: refused when
+# the config is read, before any model or rank is touched (and so by `zeroengine check-config`).
+CROSS_KEY_RULES = [
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "enable at most one"),
+    ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
+     "offload_optimizer needs stage 1, 2 or 3"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}},
+     "offload_optimizer.nvme_path"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
+     "offload_param.nvme_path"),
+    ({"aio": {"block_size": 1000}}, "aio.block_size"),
+    ({"zero_optimization": {"stage": 2, "zero_quantized_weights": True}},
+     "zero_quantized_weights .* the stage is 2"),
+    ({"zero_optimization": {"stage": 0, "zero_quantized_gradients": True}},
+     "zero_quantized_gradients .* stage 0"),
+    ({"bf16": {"enabled": False, "bf16_optimizer_states": True}}, "needs bf16.enabled"),
+    ({"fp16": {"fp16_master_weights_and_grads": True}}, "needs fp16.enabled"),
+    ({"bf16": {"enabled": True, "store_param_remainders": True,
+               "bf16_master_weights_and_grads": True}}, "contradict"),
+    ({"bf16": {"enabled": True, "stochastic_rounding": True}}, "keeps neither in bf16"),
+    ({"bf16": {"enabled": True, "bf16_optimizer_states": True}, "zero_optimization": {
+        "stage": 1, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}},
+     "bf16_optimizer_states' with zero_optimization.offload_optimizer.device 'nvme'"),
+]
+
+
+@pytest.mark.parametrize("config,names", CROSS_KEY_RULES,
+                         ids=[str(i) for i in range(len(CROSS_KEY_RULES))])
+def test_every_cross_key_rule_is_refused_when_the_config_is_read(config, names):
+    with pytest.raises(ConfigError, match=names):
+        parse_config(config)
+
+
 # -- DeepSpeed's spellings and the policy for keys zeroengine does not implement ----------------
 @pytest.fixture
 def notices():

@@ -4,6 +4,7 @@ and bf16 Adam states (against a plain PyTorch AdamW whose master and moments are
 whose update is computed in fp32 and rounded), stochastic rounding, and what each costs."""
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -12,7 +13,7 @@ from harness import train_engine
 
 import zeroengine
 from zeroengine import ConfigError
-from zeroengine.config import parse_config
+from zeroengine.config import parse_config, resolve_auto
 from zeroengine.core.layout.master_bits import join_master, split_master
 from zeroengine.core.optim.precision import OptimizerPrecision
 from zeroengine.testing import run_ranks
@@ -117,24 +118,28 @@ def test_remainders_are_bitwise_the_fp32_master_run(stage, offload, optimizer, w
     ({"stochastic_rounding": True}, "rounds bf16 master"),
 ])
 def test_contradictory_master_keys_are_refused(bf16, why):
-    with pytest.raises(ConfigError, match=why):
-        OptimizerPrecision.from_config(parse_config({"bf16": {"enabled": True, **bf16}}))
+    with pytest.raises(ConfigError, match=why):  # at parsing: `zeroengine check-config` says it
+        parse_config({"bf16": {"enabled": True, **bf16}})
 
 
 def test_master_keys_need_their_precision():
     with pytest.raises(ConfigError, match="needs bf16.enabled"):
-        OptimizerPrecision.from_config(parse_config({"bf16": {"store_param_remainders": True}}))
+        parse_config({"bf16": {"store_param_remainders": True}})
     with pytest.raises(ConfigError, match="needs fp16.enabled"):
-        OptimizerPrecision.from_config(
-            parse_config({"fp16": {"fp16_master_weights_and_grads": True}}))
+        parse_config({"fp16": {"fp16_master_weights_and_grads": True}})
+    # with bf16.enabled "auto" the rule waits for the model's dtype (resolve_auto)
+    cfg = parse_config({"bf16": {"enabled": "auto", "bf16_optimizer_states": True}})
+    assert OptimizerPrecision.from_config(resolve_auto(copy.deepcopy(cfg), 1, "bfloat16")) \
+        .states == torch.bfloat16
+    with pytest.raises(ConfigError, match="needs bf16.enabled"):
+        resolve_auto(cfg, 1, "float32")
 
 
 def test_nvme_offload_with_bf16_masters_is_refused_by_name():
-    cfg = parse_config({"bf16": {"enabled": True, "bf16_optimizer_states": True},
-                        "zero_optimization": {"stage": 3, "offload_optimizer": {
-                            "device": "nvme", "nvme_path": "/tmp"}}})
     with pytest.raises(ConfigError, match="offload_optimizer.device 'nvme' is not supported"):
-        OptimizerPrecision.from_config(cfg)
+        parse_config({"bf16": {"enabled": True, "bf16_optimizer_states": True},
+                      "zero_optimization": {"stage": 3, "offload_optimizer": {
+                          "device": "nvme", "nvme_path": "/tmp"}}})
 
 
 # -- bf16/fp16 masters and bf16 states against plain PyTorch -----------------------------------

@@ -196,14 +196,6 @@ def build_engine(model: nn.Module, config, optimizer=None, lr_scheduler=None,
     shard_size = resolve_shard_size(zero.mics_shard_size, comm.world_size, zero.stage)
     hpz_size = resolve_hpz_size(zero.zero_hpz_partition_size, comm.world_size, zero.stage,
                                 shard_size)
-    if zero.zero_quantized_weights and zero.stage != 3:
-        raise ConfigError("zero_optimization.zero_quantized_weights quantizes stage 3's "
-                          f"parameter all-gathers, but the stage is {zero.stage}: use stage 3, "
-                          "or drop the key")
-    if zero.zero_quantized_gradients and zero.stage == 0:
-        raise ConfigError("zero_optimization.zero_quantized_gradients quantizes the gradient "
-                          "reduce-scatter of stages 1-3; stage 0 all-reduces: use stage 1-3, "
-                          "or drop the key")
     # qgZ exchanges in two hops (inside the node, then across) where the node size is known
     per_node = ranks_per_node() if zero.zero_quantized_gradients else None
     if per_node is not None and comm.world_size % per_node:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from ..errors import ConfigError
 from .fields import AUTO
 from .policy import notice
+from .rules import check_config
 from .schema import Config
 from .zero import ZeroConfig
 
@@ -133,4 +134,4 @@ def resolve_auto(cfg: Config, world_size: int, param_dtype_name: str | None = No
     _resolve_bucket_autos(cfg, hidden_size)
     # what stays "auto" (stage3_prefetch_bucket_size and stage3_max_reuse_distance by default)
     # the engine sizes from the model it partitions
-    return cfg
+    return check_config(cfg)  # the rules that waited for an "auto" to be resolved

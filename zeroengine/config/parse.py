@@ -17,8 +17,8 @@ from typing import Any
 from ..errors import ConfigError
 from .fields import AUTO, COMMENT_PREFIX, declared_type
 from .policy import NO_EFFECT, REFUSED, notice
+from .rules import check_config
 from .schema import Config
-from .zero import OffloadParamConfig
 
 
 def _type_name(t) -> str:
@@ -251,29 +251,7 @@ def parse_config(source: "str | os.PathLike | dict | Config") -> Config:
         cfg.written_auto = frozenset(written)  # read by resolve_auto
     finally:
         _WRITTEN_AUTO.reset(token)
-    if cfg.fp16.enabled is True and cfg.bf16.enabled is True:
-        raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one")
-    zero = cfg.zero_optimization
-    if zero.offload_optimizer.device != "none" and zero.stage == 0:
-        raise ConfigError("zero_optimization.offload_optimizer needs stage 1, 2 or 3 (it offloads "
-                          "the rank's shard of the optimizer state); set zero_optimization.stage "
-                          "or offload_optimizer.device 'none'")
-    if zero.offload_param.device != "none" and zero.stage != 3:
-        # DeepSpeed reads offload_param at stage 3 only and ignores it below: so does zeroengine
-        notice("zero_optimization.offload_param", f"no effect at stage {zero.stage}: only "
-               "stage 3 shards (and so offloads) parameters; DeepSpeed ignores it too")
-        zero.offload_param = OffloadParamConfig()
-    if zero.offload_param.device == "nvme":
-        if not zero.offload_param.nvme_path:
-            raise ConfigError("zero_optimization.offload_param.device 'nvme' needs "
-                              "offload_param.nvme_path: a directory on the drive to swap to")
-    if zero.offload_optimizer.device == "nvme" and not zero.offload_optimizer.nvme_path:
-        raise ConfigError("zero_optimization.offload_optimizer.device 'nvme' needs "
-                          "offload_optimizer.nvme_path: a directory on the drive to swap to")
-    if cfg.aio.block_size % 4096:
-        raise ConfigError(f"aio.block_size must be a multiple of 4096 (O_DIRECT), got "
-                          f"{cfg.aio.block_size}")
-    return cfg
+    return check_config(cfg)
 
 
 def to_dict(cfg) -> dict:

@@ -125,38 +125,8 @@ class OptimizerPrecision:
 
     @classmethod
     def from_config(cls, cfg) -> "OptimizerPrecision":
-        """From a config whose fp16/bf16 'auto' is resolved; refuses what cannot work."""
-        from ...config import ConfigError
+        """From a checked config (config/rules.py) whose fp16/bf16 'auto' is resolved."""
         bf16, fp16 = cfg.bf16, cfg.fp16
-        keys = {"bf16.bf16_master_weights_and_grads": bf16.bf16_master_weights_and_grads,
-                "bf16.bf16_optimizer_states": bf16.bf16_optimizer_states,
-                "bf16.store_param_remainders": bf16.store_param_remainders,
-                "bf16.stochastic_rounding": bf16.stochastic_rounding}
-        on = [k for k, v in keys.items() if v]
-        if on and bf16.enabled is not True:
-            raise ConfigError(f"'{on[0]}' needs bf16.enabled true (it keeps optimizer values in "
-                              "bfloat16 beside bfloat16 weights)")
-        if fp16.fp16_master_weights_and_grads and fp16.enabled is not True:
-            raise ConfigError("'fp16.fp16_master_weights_and_grads' needs fp16.enabled true")
-        if bf16.store_param_remainders and bf16.bf16_master_weights_and_grads:
-            raise ConfigError("bf16.store_param_remainders keeps the fp32 master exactly (as the "
-                              "bf16 weight + 16 bits) and bf16.bf16_master_weights_and_grads "
-                              "drops it to bf16: they contradict each other, set one")
-        if bf16.stochastic_rounding and not (bf16.bf16_master_weights_and_grads
-                                             or bf16.bf16_optimizer_states):
-            raise ConfigError("bf16.stochastic_rounding rounds bf16 master weights and optimizer "
-                              "states, and this config keeps neither in bf16: also set "
-                              "bf16.bf16_master_weights_and_grads and/or "
-                              "bf16.bf16_optimizer_states (or remove it)")
-        zero = cfg.zero_optimization
-        for section in ("offload_optimizer", "offload_param"):
-            if (on or fp16.fp16_master_weights_and_grads) and \
-                    getattr(zero, section).device == "nvme":
-                raise ConfigError(
-                    f"'{(on or ['fp16.fp16_master_weights_and_grads'])[0]}' with "
-                    f"zero_optimization.{section}.device 'nvme' is not supported (the swap "
-                    f"files hold fp32 masters and states): use {section}.device 'cpu' or "
-                    "'none'")
         if bf16.store_param_remainders:
             master = REMAINDER_MASTER
         elif bf16.bf16_master_weights_and_grads or fp16.fp16_master_weights_and_grads:
