@@ -353,7 +353,7 @@ def test_every_cross_key_rule_is_refused_when_the_config_is_read(config, names):
 def notices():
     """Every ConfigNotice raised in the test (each key is otherwise reported once per process)."""
     from zeroengine.config import policy as config_policy
-    config_policy._noticed.clear()
+    config_policy.forget_notices()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         yield lambda: [str(w.message) for w in caught

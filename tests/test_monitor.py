@@ -31,7 +31,7 @@ def test_monitor_sections_write_deepspeed_events(single_process, tmp_path, monke
     pytest.importorskip("tensorboard")  # `make setup` installs it: this never skips in CI
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
-    config_policy._noticed.clear()
+    config_policy.forget_notices()
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
            "fp16": {"enabled": True, "initial_scale_power": 8},
            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},

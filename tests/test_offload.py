@@ -162,7 +162,7 @@ def test_offload_param_below_stage_3_is_ignored_as_deepspeed_does(stage):
     """DeepSpeed reads offload_param only at stage 3 (trlx's stage-2 configs set it): accepted,
     said once, and the parameters stay where they are."""
     from zeroengine.config import policy as config_policy
-    config_policy._noticed.discard("zero_optimization.offload_param")
+    config_policy.forget_notices("zero_optimization.offload_param")
     cfg = {"zero_optimization": {"stage": stage, "offload_param": {"device": "cpu"}}}
     with pytest.warns(config_policy.ConfigNotice, match="offload_param.*no effect at stage"):
         zero = zeroengine.parse_config(cfg).zero_optimization

@@ -6,19 +6,14 @@ every rank raises the same ``CheckpointError`` naming the failing rank(s), the f
 error, and the process group stays in step (no rank is left waiting in a collective its peers
 abandoned).
 
-The reports travel on a group of their own (``checkpoint_comm``): an asynchronous save runs
-them from a background thread, where they must never interleave with training's collectives.
+The reports travel on a group of their own (``Comm.host_side_twin()``): an asynchronous save
+runs them from a background thread, where they must never interleave with training's
+collectives.
 """
 from __future__ import annotations
 
 from ..distributed.comm import Comm
 from .format import CheckpointError
-
-
-def checkpoint_comm(comm: Comm) -> Comm:
-    """Collective (every rank of ``comm``): a host-side (gloo) group over the same ranks for
-    the protocol's reports, with ``comm``'s timeout."""
-    return comm.host_side_twin()
 
 
 def describe(error: BaseException) -> str:

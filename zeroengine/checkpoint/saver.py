@@ -4,7 +4,7 @@
 (snapshot.py's ``capture``), hands the write to one background thread and returns a
 ``concurrent.futures.Future`` at once: its ``result()`` is the checkpoint's path, or raises the
 commit protocol's CheckpointError, on every rank. Writing, fsync, checksums and the commit's
-reports run in that thread on a process group of their own (commit.checkpoint_comm), so they
+reports run in that thread on a process group of their own (Comm.host_side_twin), so they
 never interleave with training's collectives. One save is in flight at a time: a second save
 waits for the first, and so do ``load_checkpoint``, ``close()`` and interpreter exit (the
 writer thread is joined before ``atexit`` handlers run), so a script whose last line is a save
@@ -17,7 +17,7 @@ import logging
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from .commit import agree, attempt, checkpoint_comm
+from .commit import agree, attempt
 from .format import CheckpointError
 from .snapshot import capture
 from .staging import StagingPool
@@ -37,7 +37,7 @@ class CheckpointSaver:
     def comm(self):
         """Collective on first use: the checkpoint protocol's own group."""
         if self._comm is None:
-            self._comm = checkpoint_comm(self._engine.comm)
+            self._comm = self._engine.comm.host_side_twin()  # collective
         return self._comm
 
     def save(self, save_dir: str, tag: str | None, client_state, node_local: bool,

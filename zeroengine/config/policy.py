@@ -16,6 +16,8 @@ from typing import Any, Callable
 
 from ..errors import ConfigNotice
 
+# the keys already spoken of: a notice is said once per process (a job that builds several
+# engines, or a test suite, reads the same keys again and again)
 _noticed: set[str] = set()
 
 
@@ -24,6 +26,14 @@ def notice(key: str, message: str) -> None:
     if key not in _noticed:
         _noticed.add(key)
         warnings.warn(f"config key '{key}': {message}", ConfigNotice, stacklevel=4)
+
+
+def forget_notices(*keys: str) -> None:
+    """Say the notices about ``keys`` (all, when none are named) again when next due."""
+    if keys:
+        _noticed.difference_update(keys)
+    else:
+        _noticed.clear()
 
 
 def _equals(*off) -> Callable[[Any], bool]:

@@ -43,19 +43,19 @@ class ParamSync:
                     copied.wait()  # the gather reads the chunk the copy writes
                 self._all_gather_segment(fg, s)
 
-    def finish(self, refresh: bool | None = None) -> None:
-        """Wait for the gathers; stage 3 regathers what it holds across the step (``refresh``
-        None: only when something is held; True: always - after a checkpoint load)."""
+    def finish(self, refresh: bool = False) -> None:
+        """Wait for the gathers; then what is held whole across the step (stage 3's gathered
+        segments, its secondary copies) is refreshed from the updated chunks - and everything,
+        with ``refresh``, after a checkpoint load."""
         for handle, _ in self._in_flight:
             handle.wait()
         self._in_flight = []
-        if self.fetcher is None:
-            if refresh and self.offload is not None:
-                self.offload.finish_step()
+        held = self.fetcher is not None and bool(self.fetcher.gathered or self.fetcher.secondary)
+        if not (refresh or held):
             return
-        if refresh or self.fetcher.gathered or self.fetcher.secondary:
-            if self.offload is not None:
-                self.offload.finish_step()  # refreshed segments read the updated chunks
+        if self.offload is not None:
+            self.offload.finish_step()  # what is refreshed reads the updated chunks
+        if self.fetcher is not None:
             self.fetcher.refresh_gathered()
 
     def _all_gather_segment(self, fg: FlatParamGroup, s: int) -> None:

@@ -21,7 +21,7 @@ class ModuleHooks:
             if self._root_depth == 1 and self._first_forward and is_compiled(self.root):
                 self._stance = eager_stance()
         self._running.append(module)
-        if self._recording is not None:
+        if self.recording:
             self._ran.add(id(module))
         self.acquire(self.module_keys[module], module=module)
 

@@ -274,7 +274,7 @@ class ParamFetcher(ModuleHooks, PrefetchPlan):
             g = self.groups[key[0]]
             self.gather_comm.all_gather(g.segment_full[key[1]], g.chunk_on_device(key[1]))
             entry.exact = True
-        if self._recording is not None:
+        if self.recording:
             self._recording[self._phase].add(key)
         elif not user:
             reached = self._reached
@@ -364,7 +364,7 @@ class ParamFetcher(ModuleHooks, PrefetchPlan):
         self._reached = {Phase.FORWARD: -1, Phase.BACKWARD: -1}
         self.passes += 1
         self._phase = Phase.FORWARD
-        if self._recording is not None and self._recording[Phase.BACKWARD].keys:
+        if self.recording and self._recording[Phase.BACKWARD].keys:
             # a unit's module the model never calls (nn.MultiheadAttention's out_proj, read by
             # its parent) must not keep the unit gathered: wait only for the ones that ran
             for members in self._members.values():
@@ -377,6 +377,11 @@ class ParamFetcher(ModuleHooks, PrefetchPlan):
                     before.append(before[-1] + self._segment_numel(k))
                 self._before[phase] = before
             self._recording = None
+
+    @property
+    def recording(self) -> bool:
+        """The first step: the gather order is being recorded, nothing is prefetched yet."""
+        return self._recording is not None
 
     def refresh_gathered(self) -> None:
         """After an optimizer step: segments still gathered (held across the step) would show

@@ -37,7 +37,7 @@ class _Order:
 
 class PrefetchPlan:
     """Mixed into ParamFetcher; reads its recorded orders (``_orders``, ``_positions``,
-    ``_before``, ``_reached``, ``_phase``, ``_recording``), its windows and what is gathered,
+    ``_before``, ``_reached``, ``_phase``, ``recording``), its windows and what is gathered,
     and starts gathers with its ``_start``."""
 
     def _reused_soon(self, key: Key) -> bool:
@@ -47,7 +47,7 @@ class PrefetchPlan:
         Only forward -> backward: a segment kept past backward would be stale after the
         optimizer step and gathered again anyway."""
         if self._phase is not Phase.FORWARD or self.max_reuse_numel <= 0 \
-                or self._recording is not None or not torch.is_grad_enabled() \
+                or self.recording or not torch.is_grad_enabled() \
                 or key not in self._positions[Phase.BACKWARD]:
             return False
         here = max(self._reached[Phase.FORWARD], self._positions[Phase.FORWARD].get(key, -1))
