@@ -13,7 +13,7 @@ import glob
 import json
 import os
 
-from setuptools import find_packages, setup
+from setuptools import setup
 
 ext_modules, cmdclass = [], {}
 
@@ -28,14 +28,6 @@ def cuda_skip_reason(torch) -> str | None:
     if CUDA_HOME is None:
         return "nvcc was not found (set CUDA_HOME)"
     return None
-
-
-def _version() -> str:
-    """zeroengine/_version.py's string, read without importing the package (and torch)."""
-    scope: dict = {}
-    with open(os.path.join("zeroengine", "_version.py")) as f:
-        exec(f.read(), scope)
-    return scope["__version__"]
 
 
 def cuda_extension(torch):
@@ -106,26 +98,6 @@ if os.environ.get("ZEROENGINE_NO_EXT") != "1":
                   "is found at run time.")
         cmdclass["build_ext"] = BuildExtension.with_options(use_ninja=True)
 
-setup(
-    name="zeroengine",
-    version=_version(),
-    description="ZeRO-style memory-sharding training engine for PyTorch",
-    packages=find_packages(include=["zeroengine", "zeroengine.*"]),
-    python_requires=">=3.9",
-    install_requires=["torch>=2.4", "numpy", "safetensors"],
-    extras_require={
-        "test": ["pytest", "hypothesis", "psutil"],
-        "bench": ["psutil", "deepspeed"],
-        "train": ["tqdm", "matplotlib"],  # zeroengine train: progress bar and the loss plot
-        "tensorboard": ["tensorboard"],  # zeroengine train also writes TensorBoard scalars
-        "ray": ["ray[train]"],  # zeroengine.integrations.ray
-        "hf": ["transformers>=5,<6", "accelerate"],  # ZeroTrainer, HF models (tests/test_hf*.py)
-        "lightning": ["lightning>=2.2,<3"],  # ZeroStrategy (tests/test_integration_lightning.py)
-        # ZeroCallback (tests/test_integration_fastai.py)
-        "fastai": ["fastai>=2.7,<3", "accelerate"],
-        "keras": ["keras>=3,<4"],  # torch backend (tests/test_integration_keras.py)
-    },
-    ext_modules=ext_modules,
-    cmdclass=cmdclass,
-    entry_points={"console_scripts": ["zeroengine=zeroengine.tools.cli:main"]},
-)
+# The project's metadata (name, version, dependencies, extras, the command) is in pyproject.toml;
+# what is left here is what a declaration cannot say: which extensions this machine can build.
+setup(ext_modules=ext_modules, cmdclass=cmdclass)

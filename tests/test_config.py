@@ -512,3 +512,18 @@ def test_old_deepspeed_spellings_are_read_as_deepspeed_reads_them(notices):
         assert words in said, (words, said)
     refused({"fp16": {"enabled": "yes please"}}, "fp16.enabled", "a boolean")
     refused({"bf16": {"enabled": True}, "bfloat16": {"enabled": True}}, "given twice")
+
+
+def test_the_train_jobs_section_is_the_jobs_not_the_engines(notices, tmp_path):
+    """`job` is not in the engine's Config: `zeroengine train` splits it off; initialize()
+    given the same file says it has no effect there."""
+    from zeroengine.tools.job_config import split_job
+    source = {"zero_optimization": {"stage": 2}, "job": {"steps": 7, "model": {"dim": 64}}}
+    engine_part, job = split_job(source)
+    assert "job" not in engine_part and "job" in source  # the caller's dict is left alone
+    assert (job.steps, job.model.dim) == (7, 64)
+    assert not hasattr(parse_config(engine_part), "job")
+    parse_config(source)
+    assert any("'job'" in m and "initialize() does not" in m for m in notices())
+    with pytest.raises(ConfigError, match="job.stepz"):  # still checked by name, by the job
+        split_job({"job": {"stepz": 1}})

@@ -53,7 +53,7 @@ def schema_configs(cls=Config, depth: int = 0):
     entries = {}
     for f in dataclasses.fields(cls):
         t, _, auto = declared_type(hints[f.name])
-        if f.name in ("optimizer", "scheduler", "job"):
+        if f.name in ("optimizer", "scheduler"):
             continue  # built from their own schemas elsewhere (tests/test_config.py)
         if dataclasses.is_dataclass(t):
             entries[f.name] = schema_configs(t, depth + 1)

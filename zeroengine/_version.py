@@ -1,2 +1,3 @@
-"""The package version, in one place: zeroengine.__version__ and setup.py read it."""
+"""The package version, in one place: zeroengine.__version__ and pyproject.toml (setuptools'
+[tool.setuptools.dynamic]) read it."""
 __version__ = "0.1.0"

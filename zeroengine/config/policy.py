@@ -115,6 +115,8 @@ NO_EFFECT: dict[str, str] = {
                                            "torch.save archive read with weights_only=True",
     "checkpoint.parallel_write": "every rank writes its own files in parallel already",
     "dataloader_drop_last": "zeroengine does not build data loaders",
+    "job": "the built-in `zeroengine train` job's section (docs/job.md): that job reads it, "
+           "initialize() does not",
     "activation_checkpointing": "it configures deepspeed.checkpointing, which a model run by "
                                 "zeroengine does not call: use torch.utils.checkpoint("
                                 "use_reentrant=False)",

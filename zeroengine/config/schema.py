@@ -78,9 +78,6 @@ class Config:
         "backward and optimizer-step milliseconds per step (on CUDA the device is synchronised "
         "at each mark, as DeepSpeed's timers do, which costs some overlap). In a loop of "
         "loss.backward() the backward is timed from the end of the forward.")
-    job: dict = option({}, "The built-in `zeroengine train` job: model size, steps, evaluation, "
-                       "run name (not a DeepSpeed key; initialize() ignores it). Its keys are "
-                       "checked by the job itself: see docs/job.md.")
     zero_allow_untested_optimizer: bool = option(True, "DeepSpeed's guard for client "
                                                  "optimizers.", no_effect="every optimizer is "
                                                  "supported (tensor-wise ones are probed)")

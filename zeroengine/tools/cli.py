@@ -52,10 +52,11 @@ def _check_config(args) -> int:
     from ..config import collect_report, parse_config, resolve_auto
     from ..core.optim.factory import optimizer_from_config
     from ..core.optim.schedulers import scheduler_from_config
-    from .job_config import job_config
+    from .job_config import split_job
+    engine_config, job = split_job(args.config)
     with collect_report() as report:
         try:
-            cfg = parse_config(args.config)
+            cfg = parse_config(engine_config)
         finally:  # what was read before a refusal is worth seeing too
             width = max((len(k) for k, _ in report), default=0)
             for key, verdict in report:
@@ -70,7 +71,7 @@ def _check_config(args) -> int:
         print(f"{args.config}: the scheduler section is checked when initialize() is given "
               "the optimizer (the config has none)", file=sys.stderr)
     resolved = dataclasses.asdict(cfg)
-    resolved["job"] = dataclasses.asdict(job_config(cfg))
+    resolved["job"] = dataclasses.asdict(job)
     print(json.dumps(resolved, indent=2, sort_keys=True))
     print(f"{args.config}: valid (resolved for world size {args.world})", file=sys.stderr)
     return 0
@@ -85,7 +86,9 @@ def _estimate(args) -> int:
     master, state_bytes = args.master, 2 if args.states == "bf16" else 4
     source = f"{params:,.0f} parameters" if params else ""
     if args.config:
-        cfg = parse_config(args.config)
+        from .job_config import split_job
+        engine_config, job = split_job(args.config)
+        cfg = parse_config(engine_config)
         from ..core.optim.precision import OptimizerPrecision
         kept = OptimizerPrecision.from_config(cfg)
         master = kept.master if master is None else master
@@ -99,8 +102,7 @@ def _estimate(args) -> int:
         if cfg.optimizer is not None:
             optimizer = cfg.optimizer.type
         if not params:
-            from .job_config import job_config
-            m = job_config(cfg).model
+            m = job.model
             params = gpt_num_params(256, m.context, m.layers, m.dim)
             source = (f"the built-in GPT of {args.config} ({m.layers} layers, dim {m.dim}): "
                       f"{params:,} parameters")

@@ -1,11 +1,12 @@
-"""The schema of the built-in `zeroengine train` job: the ``job`` section of a config, which the
-engine itself ignores (config.py keeps it as a plain dict) and the job checks here with the
-engine config's own machinery (declarations, ranges, "did you mean" suggestions)."""
+"""The schema of the built-in `zeroengine train` job: the ``job`` section of a config file. The
+job splits it off before the rest becomes the engine's ``Config`` (which does not declare it;
+initialize() given such a file says the section has no effect there), and checks it here with
+the engine config's own machinery (declarations, ranges, "did you mean" suggestions)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import Config, ConfigError, option, parse_section
+from ..config import ConfigError, config_dict, option, parse_section
 from ..config.reference import section_markdown
 
 
@@ -30,13 +31,22 @@ class JobConfig:
     seed: int = option(0, "Seed of model init and data order.")
 
 
-def job_config(cfg: Config) -> JobConfig:
-    """The checked ``job`` section of a parsed config."""
-    job = parse_section(JobConfig, cfg.job, "job")
+JOB_SECTION = "job"
+
+
+def job_config(section: dict) -> JobConfig:
+    """The checked ``job`` section."""
+    job = parse_section(JobConfig, section, JOB_SECTION)
     if job.model.dim % job.model.heads:
         raise ConfigError(f"job.model.heads ({job.model.heads}) must divide job.model.dim "
                           f"({job.model.dim})")
     return job
+
+
+def split_job(source) -> tuple[dict, JobConfig]:
+    """A config file (or dict) as (the engine's part, for parse_config; the checked job)."""
+    raw = config_dict(source)
+    return raw, job_config(raw.pop(JOB_SECTION, {}))
 
 
 def reference_markdown() -> str:

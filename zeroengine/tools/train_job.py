@@ -24,7 +24,7 @@ import torch
 import zeroengine
 from zeroengine.distributed.bootstrap import shutdown_distributed
 from zeroengine.examples.gpt import GPT, GPTConfig, num_params
-from zeroengine.tools.job_config import job_config
+from zeroengine.tools.job_config import split_job
 
 log = logging.getLogger("zeroengine.train")
 
@@ -174,8 +174,8 @@ class MetricsWriter:
 
 def run(config_path: str, resume: bool = False, steps: int | None = None,
         run_name: str | None = None, runs_dir: str = "runs") -> dict:
-    cfg = zeroengine.parse_config(config_path)
-    job = job_config(cfg)
+    engine_config, job = split_job(config_path)
+    cfg = zeroengine.parse_config(engine_config)
     if steps is not None:
         job.steps = steps
     if run_name is not None:
