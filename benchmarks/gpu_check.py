@@ -218,7 +218,7 @@ def check_quantize() -> None:
 
 # -- 4. side streams -----------------------------------------------------------------------------
 def check_streams() -> None:
-    from zeroengine.distributed.handles import GATHER, Handle, copy_async
+    from zeroengine.handles import GATHER, Handle, copy_async
     a = torch.randn(8192, 8192, device=DEVICE)
     for _trial in range(3):
         produced = a @ a  # long-running on the compute stream

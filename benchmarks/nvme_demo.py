@@ -52,8 +52,8 @@ def rank_main(args) -> None:
     import torch
 
     import zeroengine
+    from zeroengine.examples.corpus import stdlib_corpus
     from zeroengine.examples.gpt import GPT, GPTConfig, num_params
-    from zeroengine.tools.train_job import stdlib_corpus
 
     torch.manual_seed(0)
     config = json.load(open(CONFIG))

@@ -135,6 +135,12 @@ def test_master_keys_need_their_precision():
         resolve_auto(cfg, 1, "float32")
 
 
+def test_checkpoint_words_for_exact_masters_are_the_engines():
+    from zeroengine.checkpoint.sharded import EXACT_MASTERS
+    from zeroengine.core.optim.precision import FP32_MASTER, REMAINDER_MASTER
+    assert EXACT_MASTERS == (FP32_MASTER, REMAINDER_MASTER)
+
+
 def test_nvme_offload_with_bf16_masters_is_refused_by_name():
     with pytest.raises(ConfigError, match="offload_optimizer.device 'nvme' is not supported"):
         parse_config({"bf16": {"enabled": True, "bf16_optimizer_states": True},

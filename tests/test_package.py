@@ -1,7 +1,8 @@
 """The package's house rules, checked from its source: every exception the package raises is
 defined in zeroengine/errors.py and importable from ``zeroengine``; no package folder carries a
 name that .gitignore templates and linters skip; torch.distributed is called only from
-zeroengine/distributed/ (and the DeepSpeed facade, and DCP's own save)."""
+zeroengine/distributed/ (and the DeepSpeed facade, and DCP's own save); the imports between
+the package's folders run one way (no circle)."""
 from __future__ import annotations
 
 import ast
@@ -78,3 +79,55 @@ def test_torch_distributed_is_called_from_the_distributed_folder_only():
                     node.attr not in ("checkpoint", "fsdp"):
                 callers.add(rel)
     assert not callers, f"call torch.distributed through zeroengine/distributed/: {callers}"
+
+
+def _unit(module: str) -> str | None:
+    """The package's folder (or top-level module) a dotted module name belongs to."""
+    parts = module.split(".")
+    if parts[0] != "zeroengine" or len(parts) < 2:
+        return None  # another package, or zeroengine/__init__.py (the facade over all of them)
+    return parts[1]
+
+
+def _imports(path: pathlib.Path, tree: ast.AST) -> set[str]:
+    """Dotted names of the modules ``path`` imports (relative imports resolved)."""
+    here = ["zeroengine", *path.relative_to(PACKAGE).with_suffix("").parts]
+    if here[-1] == "__init__":
+        here = here[:-1]
+    else:
+        here = here[:-1]  # a module's relative imports start from its folder
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = here[:len(here) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else []))
+            found.add(target)
+            found.update(f"{target}.{a.name}" for a in node.names)  # `from . import x`
+    return found
+
+
+def test_no_import_circle_between_the_package_folders():
+    """core/ may use checkpoint/, config/, distributed/, ops/ ... but none of what it uses may
+    use core/ back: every arrow between the package's folders points one way."""
+    arrows: dict[str, set[str]] = {}
+    for path, tree in _trees():
+        source = _unit(".".join(["zeroengine", *path.relative_to(PACKAGE).with_suffix("").parts]))
+        if source in (None, "__init__", "__main__"):
+            continue
+        for module in _imports(path, tree):
+            target = _unit(module)
+            if target not in (None, source) and ((PACKAGE / target).is_dir()
+                                                 or (PACKAGE / f"{target}.py").exists()):
+                arrows.setdefault(source, set()).add(target)
+
+    def reaches(start: str, goal: str, seen: set) -> bool:
+        for nxt in arrows.get(start, ()):
+            if nxt == goal or (nxt not in seen and not seen.add(nxt) and reaches(nxt, goal, seen)):
+                return True
+        return False
+
+    circles = sorted(f"{a} <-> {b}" for a in arrows for b in arrows[a]
+                     if a < b and reaches(b, a, set()))
+    assert not circles, circles

@@ -20,7 +20,6 @@ import shutil
 
 import torch
 
-from ..core.compat.compiled import uncompiled
 from . import format as fmt
 from .dcp_format import ZEROENGINE_KEY
 from .format import CheckpointError
@@ -123,7 +122,7 @@ def _refuse(engine) -> None:
 
 def _state_dict(engine, names: dict, client_state: dict | None) -> dict:
     from .sharded import _managed, counters
-    module = uncompiled(engine.module)
+    module = engine.plain_module
     model: dict = {}
     state: dict = {}
     scalars_of: dict = {}

@@ -17,7 +17,6 @@ import warnings
 
 import torch
 
-from ..core.compat.compiled import uncompiled
 from . import format as fmt
 from .hf_layout import INDEX, file_names, owning, parse_dtype, parse_size, write_index
 from .sharded import refuse_unsupported_layouts, unsupported_layout
@@ -86,7 +85,7 @@ class _Gatherer:
 
     def __init__(self, engine):
         self.engine = engine
-        self.state = uncompiled(engine.module).state_dict(keep_vars=True)
+        self.state = engine.plain_module.state_dict(keep_vars=True)
         self._where = {id(p): (fg, i) for fg in engine.flat_groups
                        for i, p in enumerate(fg.params)}
         self._pieces = _pieces_by_param(engine.flat_groups)
@@ -137,7 +136,7 @@ def save_pretrained(engine, save_dir: str, max_shard_size="5GB", dtype=None) -> 
             stale = os.path.join(save_dir, INDEX)  # an earlier sharded export here
             if os.path.exists(stale):
                 os.remove(stale)
-        written += _save_configs(uncompiled(engine.module), save_dir, dtype)
+        written += _save_configs(engine.plain_module, save_dir, dtype)
     engine.comm.barrier()
     return written
 
@@ -169,7 +168,7 @@ def save_16bit_model(engine, save_dir: str, filename: str = "model.safetensors")
         gather = _Gatherer(engine)
         state, fetch = gather.state, gather.value
     else:  # NVMe or hybrid sharding: the whole fp32 model on every rank first (collective)
-        state = uncompiled(engine.module).state_dict(keep_vars=True)
+        state = engine.plain_module.state_dict(keep_vars=True)
         fetch = engine.consolidated_state_dict().__getitem__
     values = ((name, fetch(name)) for name in state)
     path = os.path.join(save_dir, filename)

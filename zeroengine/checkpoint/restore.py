@@ -12,12 +12,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core.compat.compiled import uncompiled
-from ..core.optim.precision import FP32_MASTER, REMAINDER_MASTER
 from . import format as fmt
 from .commit import agree, attempt
 from .format import CheckpointError
-from .sharded import _managed, _names, _precision_meta, _set_rng_state
+from .sharded import EXACT_MASTERS, _managed, _names, _precision_meta, _set_rng_state
 from .sources import is_checkpoint, open_checkpoint
 
 # Optimizer classes whose per-element state means the same thing under both names.
@@ -27,11 +25,10 @@ _SAME_STATE = {"AdamW": "Adam", "Adam": "Adam", "CPUAdam": "Adam", "FusedAdam": 
 def _warn_narrowing(engine, meta: dict, path: str) -> None:
     """A checkpoint with fp32 masters or moments loaded where they are kept in 16 bits: they
     are rounded to nearest, which the user should know (the other way is exact)."""
-    saved = meta.get("optimizer_precision") or {"master": FP32_MASTER, "states": "float32"}
+    saved = meta.get("optimizer_precision") or {"master": "fp32", "states": "float32"}
     mine = _precision_meta(engine)
     narrowed = []
-    exact = (FP32_MASTER, REMAINDER_MASTER)
-    if saved["master"] in exact and mine["master"] not in exact:
+    if saved["master"] in EXACT_MASTERS and mine["master"] not in EXACT_MASTERS:
         narrowed.append(f"the fp32 master weights to {mine['master']}")
     if saved["states"] == "float32" and mine["states"] != "float32":
         narrowed.append(f"the fp32 optimizer states to {mine['states']}")
@@ -154,9 +151,8 @@ def _apply(engine, staged: _Staged, options) -> tuple[str, dict | None]:
             "lr_scheduler" in staged.extras:
         engine.lr_scheduler.load_state_dict(staged.extras["lr_scheduler"])
     if staged.foreign_schedule and engine.lr_scheduler is not None:
-        sched = engine.lr_scheduler  # DeepSpeed's iteration t is torch's last_epoch t + 1
-        sched.last_epoch = int(staged.foreign_schedule["last_batch_iteration"]) + 1
-        sched._last_lr = [g["lr"] for g in sched.optimizer.param_groups]
+        engine.lr_scheduler.take_deepspeed_position(
+            staged.foreign_schedule["last_batch_iteration"])
     if options["load_rng_states"] and staged.rng is not None:
         _set_rng_state(staged.rng)
     engine.optimizer.zero_grad()
@@ -167,11 +163,11 @@ def _check_deepspeed_scheduler(engine, state: dict, path: str) -> None:
     """A DeepSpeed config scheduler's position (``last_batch_iteration``) goes into the same
     schedule here (the lr of each group comes with the optimizer's param groups); another
     scheduler cannot take it."""
-    from ..core.optim.schedulers import DEEPSPEED_SCHEDULERS
     sched = engine.lr_scheduler
     if sched is None:
         return
-    if type(sched).__name__ not in DEEPSPEED_SCHEDULERS or "last_batch_iteration" not in state:
+    # the DeepSpeed schedules (core/optim/schedulers.py) can; a torch scheduler cannot
+    if not hasattr(sched, "take_deepspeed_position") or "last_batch_iteration" not in state:
         raise CheckpointError(
             f"{path} holds a DeepSpeed lr scheduler's state ({sorted(state)}), which "
             f"{type(sched).__name__} cannot take: configure the same scheduler in the config's "
@@ -298,7 +294,7 @@ def _read_owned_state(engine, fi: int, fg, names, meta, reader, path: str) -> di
 def _check_module_rest(engine, rest: dict, path: str) -> None:
     """Phase 1: every saved buffer or frozen parameter fits the one it would replace."""
     managed = _managed(engine)
-    for key, value in uncompiled(engine.module).state_dict(keep_vars=True).items():
+    for key, value in engine.plain_module.state_dict(keep_vars=True).items():
         if id(value) in managed or key not in rest:
             continue
         saved = rest[key]
@@ -309,7 +305,7 @@ def _check_module_rest(engine, rest: dict, path: str) -> None:
 
 
 def _load_module_rest(engine, rest: dict, path: str) -> None:
-    own = uncompiled(engine.module).state_dict(keep_vars=True)
+    own = engine.plain_module.state_dict(keep_vars=True)
     managed = _managed(engine)
     with torch.no_grad():
         for key, value in own.items():

@@ -23,8 +23,6 @@ import random
 import numpy as np
 import torch
 
-from ..core.compat.compiled import uncompiled
-from ..core.optim.precision import LOW_MASTER
 from . import format as fmt
 from .format import CheckpointError
 
@@ -33,7 +31,7 @@ from .format import CheckpointError
 def _names(engine) -> dict[int, str]:
     """Parameter -> its first name (tied parameters have several)."""
     names: dict[int, str] = {}
-    for name, p in uncompiled(engine.module).named_parameters(remove_duplicate=False):
+    for name, p in engine.plain_module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
     return names
 
@@ -142,7 +140,7 @@ def _owned_state_tensors(engine, gi: int, fg, names) -> dict[str, torch.Tensor]:
 def _module_rest(engine) -> dict[str, torch.Tensor]:
     """state_dict entries not held in flat groups: buffers, frozen and non-optimized params."""
     managed = _managed(engine)
-    state = uncompiled(engine.module).state_dict(keep_vars=True)
+    state = engine.plain_module.state_dict(keep_vars=True)
     return {k: v.detach().cpu().clone() for k, v in state.items()
             if id(v) not in managed}
 
@@ -151,7 +149,7 @@ def _meta(engine, names, groups_meta, files, tag) -> dict:
     from .. import __version__
     managed = _managed(engine)
     state_dict_keys = {k: (names[id(v)] if id(v) in managed else None)
-                       for k, v in uncompiled(engine.module).state_dict(keep_vars=True).items()}
+                       for k, v in engine.plain_module.state_dict(keep_vars=True).items()}
     index = {}
     for gi, g in enumerate(groups_meta):
         for entry, (name, _, _) in enumerate(g["params"]):
@@ -168,16 +166,22 @@ def _meta(engine, names, groups_meta, files, tag) -> dict:
                                        for g in opt.param_groups]},
         "optimizer_precision": _precision_meta(engine),
         "groups": groups_meta, "index": index, "state_dict_keys": state_dict_keys,
-        "files": files, "hf_config": _hf_config(uncompiled(engine.module)),
+        "files": files, "hf_config": _hf_config(engine.plain_module),
     }
+
+
+# The format's words for masters kept in fp32 exactly: a separate fp32 copy, or the 16-bit
+# weight with its 16-bit remainder (the other words are the dtype of a 16-bit master). They
+# are core's FP32_MASTER and REMAINDER_MASTER as written (a test holds the two together).
+EXACT_MASTERS = ("fp32", "remainder")
 
 
 def _precision_meta(engine) -> dict:
     """What the masters and Adam's moments were kept in (bf16/fp16 master keys): "fp32",
     "float16"/"bfloat16" (low-precision masters) or "remainder" (exact fp32)."""
     precision = engine.optimizer_precision
-    master = precision.master if precision.master != LOW_MASTER else \
-        str(engine.precision.compute).replace("torch.", "")
+    master = str(engine.precision.compute).replace("torch.", "") if precision.low_master \
+        else precision.master
     return {"master": master, "states": str(precision.states).replace("torch.", ""),
             "stochastic_rounding": precision.stochastic}
 

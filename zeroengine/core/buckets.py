@@ -9,7 +9,7 @@ from typing import Protocol
 
 import torch
 
-from ..distributed.handles import Handle
+from ..handles import Handle
 from .layout.flat_param_group import FlatParamGroup
 
 

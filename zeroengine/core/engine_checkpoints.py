@@ -12,6 +12,12 @@ from .compat.compiled import uncompiled
 class EngineCheckpoints:
     """Mixed into ZeroEngine; reads its flat groups, module and topology."""
 
+    @property
+    def plain_module(self) -> torch.nn.Module:
+        """The model without torch.compile's wrapper: the module whose state_dict keys a
+        checkpoint holds (what checkpoint/ reads, so that it needs nothing from core/)."""
+        return uncompiled(self.module)
+
     def save_checkpoint(self, save_dir: str, tag: str | None = None,
                         client_state: dict | None = None, node_local: bool = False,
                         save_latest: bool = True, format: str = "zeroengine",
@@ -82,7 +88,7 @@ class EngineCheckpoints:
                 slot = fg.layout.slots[i]
                 full_values[id(p)] = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
         out = {}
-        for name, t in uncompiled(self.module).state_dict(keep_vars=True).items():
+        for name, t in self.plain_module.state_dict(keep_vars=True).items():
             value = full_values.get(id(t))
             if value is None:
                 value = t.detach()

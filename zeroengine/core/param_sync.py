@@ -11,7 +11,7 @@ finish_param_sync: ShardedOptimizer steps, this publishes.
 from __future__ import annotations
 
 from ..distributed.comm import Comm
-from ..distributed.handles import Handle
+from ..handles import Handle
 from .layout.flat_param_group import FlatParamGroup
 
 

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CollectiveError
+from ..handles import GATHER, REDUCE, Handle, StreamRole
 from ..ops import flatten_into, unflatten_from
-from .handles import GATHER, REDUCE, Handle, StreamRole
 from .quantized import QuantizedCollectives
 
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..handles import GATHER, REDUCE, Handle, StreamRole
 from ..ops import quantize
-from .handles import GATHER, REDUCE, Handle, StreamRole
 
 
 class QuantizedCollectives:

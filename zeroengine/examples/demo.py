@@ -13,8 +13,8 @@ import time
 import torch
 
 import zeroengine
+from zeroengine.examples.corpus import stdlib_corpus
 from zeroengine.examples.gpt import GPT, GPTConfig, num_params
-from zeroengine.tools.train_job import stdlib_corpus
 
 
 def main() -> None:

@@ -1,10 +1,10 @@
 """Asynchronous file I/O for NVMe offload: tensors to and from files, in the background.
 
 ``AsyncFileIO(block_size, queue_depth, thread_count, o_direct)`` reads and writes the bytes of
-contiguous CPU tensors at file offsets; each call returns a ``Handle`` (distributed/handles.py: the
-comm layer's vocabulary), whose ``wait()`` blocks until the whole transfer is done and raises
-the first failure naming the file and offset. The knobs are DeepSpeed's ``aio`` section's
-(``block_size``, ``queue_depth``, ``thread_count``).
+contiguous CPU tensors at file offsets; each call returns a ``Handle`` (zeroengine/handles.py,
+the vocabulary of everything asynchronous), whose ``wait()`` blocks until the whole transfer
+is done and raises the first failure naming the file and offset. The knobs are DeepSpeed's
+``aio`` section's (``block_size``, ``queue_depth``, ``thread_count``).
 
 Backends (``AsyncFileIO.backend``): "io_uring" or "threads" - csrc/aio, chosen when it was built
 (setup.py: io_uring where liburing-dev is installed) - or "python", a thread pool of
@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ..distributed.handles import Handle
+from ..handles import Handle
 from .extensions import load_cpu_extension
 
 _ext = load_cpu_extension("_aio_ext")

@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import torch
 
 import zeroengine
 from zeroengine.distributed.bootstrap import shutdown_distributed
+from zeroengine.examples.corpus import stdlib_corpus, windows
 from zeroengine.examples.gpt import GPT, GPTConfig, num_params
 from zeroengine.tools.job_config import split_job
 
@@ -30,28 +30,6 @@ log = logging.getLogger("zeroengine.train")
 
 
 # -- data -----------------------------------------------------------------------------------------
-def stdlib_corpus(limit: int = 8_000_000) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train, validation) byte tensors: the stdlib's top-level .py files sorted by path, every
-    10th file held out for validation."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    train, val, total = [], [], 0
-    for i, path in enumerate(sorted(root.glob("*.py"))):
-        data = path.read_bytes()
-        (val if i % 10 == 9 else train).append(data)
-        total += len(data)
-        if total >= limit:
-            break
-
-    def as_tensor(chunks):
-        return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8).long()
-    return as_tensor(train), as_tensor(val)
-
-
-def windows(data: torch.Tensor, count: int, context: int, gen: torch.Generator) -> torch.Tensor:
-    starts = torch.randint(0, len(data) - context - 1, (count,), generator=gen)
-    return torch.stack([data[s:s + context + 1] for s in starts.tolist()])
-
-
 # -- logging --------------------------------------------------------------------------------------
 def setup_logging(run_dir: Path, rank: int) -> None:
     """Rank 0: INFO to the console; other ranks: warnings only. Every rank: a log file."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ...distributed.handles import Handle, copy_async
+from ...handles import Handle, copy_async
 from ..layout.flat_param_group import FlatParamGroup
 from ..layout.partition import shard_segment_views
 from ..optim.precision import FP32_MASTER, LOW_MASTER

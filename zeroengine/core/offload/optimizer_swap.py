@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...distributed.handles import Handle
+from ...handles import Handle
 from ...ops.aio import AsyncFileIO, aligned_empty
 from ..layout.flat_param_group import FlatParamGroup
 from .swap_files import SwapDir

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...distributed.handles import Handle
+from ...handles import Handle
 from ...ops.aio import AsyncFileIO, aligned_empty, aligned_numel
 from .swap_files import SwapDir
 

@@ -138,6 +138,11 @@ class OptimizerPrecision:
                    stochastic=bf16.stochastic_rounding, seed=bf16.stochastic_rounding_seed)
 
     @property
+    def low_master(self) -> bool:
+        """The bf16/fp16 weights are the master (no fp32 copy, no remainder)."""
+        return self.master == LOW_MASTER
+
+    @property
     def plain(self) -> bool:
         """fp32 master and states: the optimizer runs as the user built it."""
         return self.master == FP32_MASTER and self.states == torch.float32

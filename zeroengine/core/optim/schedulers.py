@@ -35,6 +35,12 @@ class _DeepSpeedIteration(LRScheduler):
     def iteration(self) -> int:
         return self.last_epoch - 1
 
+    def take_deepspeed_position(self, last_batch_iteration: int) -> None:
+        """Continue from a DeepSpeed checkpoint's scheduler state (its iteration t is torch's
+        last_epoch t + 1); the lr of each group comes with the optimizer's param groups."""
+        self.last_epoch = int(last_batch_iteration) + 1
+        self._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+
 
 class WarmupLR(_DeepSpeedIteration):
     """lr rises from warmup_min_lr to warmup_max_lr (default: the group's lr, as DeepSpeed's)

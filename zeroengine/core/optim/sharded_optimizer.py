@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from ...distributed.comm import Comm
-from ...distributed.handles import Handle
 from ...errors import NonFiniteGradientError
+from ...handles import Handle
 from ..grad_reducer import GradReducer
 from ..layout.flat_param_group import FlatParamGroup
 from ..offload.host_memory import return_free_heap

@@ -34,7 +34,7 @@ import torch.nn as nn
 
 from ...config import AUTO
 from ...distributed.comm import Comm
-from ...distributed.handles import GATHER, PREFETCH, Handle
+from ...handles import GATHER, PREFETCH, Handle
 from ...ops.quantize import DEFAULT_BLOCK as QUANT_BLOCK
 from ..compat.compiled import uncompiled
 from ..compat.drop_in import EngineHook
@@ -42,7 +42,7 @@ from ..layout.flat_param_group import FlatParamGroup
 from ..layout.param_layout import fetching_modules, parameter_owners
 from .gather_check import NO_KEY, GatherOrderCheck, GatherPurpose
 from .module_hooks import ModuleHooks
-from .prefetch import Phase, PrefetchPlan, _Order, auto_window
+from .prefetch import FetchMode, Phase, PrefetchPlan, _Order, auto_window
 from .sharded_param import mark_sharded, unmark_sharded
 
 Key = tuple[int, int]  # (index of the partitioned group, segment)
@@ -158,7 +158,8 @@ class ParamFetcher(ModuleHooks, PrefetchPlan):
                 mark_sharded(p, self)
         # The first step records the order of first requests, per phase (backward runs the
         # other way); later steps prefetch along it.
-        # first step: the gather order seen in each phase; None once it is known
+        self.mode = FetchMode.RECORDING
+        # while recording: the gather order seen so far in each phase
         self._recording: dict[Phase, _Order] | None = {Phase.FORWARD: _Order(),
                                                        Phase.BACKWARD: _Order()}
         self._ran: set[int] = set()  # modules whose forward ran while recording
@@ -377,11 +378,12 @@ class ParamFetcher(ModuleHooks, PrefetchPlan):
                     before.append(before[-1] + self._segment_numel(k))
                 self._before[phase] = before
             self._recording = None
+            self.mode = FetchMode.FOLLOWING
 
     @property
     def recording(self) -> bool:
         """The first step: the gather order is being recorded, nothing is prefetched yet."""
-        return self._recording is not None
+        return self.mode is FetchMode.RECORDING
 
     def refresh_gathered(self) -> None:
         """After an optimizer step: segments still gathered (held across the step) would show

@@ -23,6 +23,13 @@ class Phase(enum.Enum):
     BACKWARD = "backward"
 
 
+class FetchMode(enum.Enum):
+    """How the fetcher gathers: the first step records the order of first requests in each
+    phase and gathers on demand; every later step prefetches along that order."""
+    RECORDING = "recording the gather order"
+    FOLLOWING = "prefetching along the recorded order"
+
+
 @dataclass
 class _Order:
     """Segments in the order they were first requested in one training step."""

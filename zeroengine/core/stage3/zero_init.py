@@ -13,7 +13,7 @@ covered; use ``apply`` or ``gathered_parameters`` for that.
 
 Parameters built on the meta device (transformers 5's ``from_pretrained`` builds there, then
 loads) are left on meta: ``from_pretrained`` binds each to its tensor in the checkpoint files
-instead of reading it (integrations/hf_pretrained.py), and ``initialize`` reads each rank's
+instead of reading it (stage3/hf_from_pretrained.py), and ``initialize`` reads each rank's
 slices straight into its shard (deferred_params.py).
 
 ``initialize()`` then moves these per-parameter slices into its own layout, one parameter at a
@@ -30,8 +30,8 @@ import torch.nn as nn
 from ...config import parse_config
 from ...distributed.bootstrap import init_distributed
 from ...distributed.comm import Comm
-from ...integrations import hf_pretrained
 from ..sharding import Sharding
+from . import hf_from_pretrained
 
 _active: "ZeroInit | None" = None
 
@@ -128,13 +128,13 @@ class ZeroInit:
         self._saved_apply = nn.Module.apply
         nn.Module.apply = lambda module, fn: owner._apply(module, fn)
         _active = self
-        hf_pretrained.install()  # from_pretrained binds files instead of reading them
+        hf_from_pretrained.install()  # from_pretrained binds files instead of reading them
         return self
 
     def __exit__(self, *exc):
         global _active
         _active = None
-        hf_pretrained.uninstall()
+        hf_from_pretrained.uninstall()
         for cls, original in reversed(self._saved):
             cls.__init__ = original
         self._saved.clear()

@@ -1,7 +1,8 @@
 """``from_pretrained`` under ``zero_init`` (transformers 5.x): the weights are not read by
 transformers at all; each parameter is bound to its tensor in the checkpoint's safetensors
 files and stays on the meta device until ``initialize`` reads, at stage 3, only the elements
-each rank keeps straight into its shard (deferred_params.py).
+each rank keeps straight into its shard (deferred_params.py). zero_init installs this while
+its block is open, so it lives beside zero_init rather than with the optional integrations.
 
 transformers 5 builds the model on the meta device and then ``_load_pretrained_model`` reads
 every tensor. While a zero_init block is active that step is replaced: the checkpoint's keys
@@ -24,8 +25,8 @@ import functools
 import os
 import warnings
 
-from ..checkpoint.weight_files import WeightFiles, read_header
-from ..core.layout.deferred_params import FileSource
+from ...checkpoint.weight_files import WeightFiles, read_header
+from ..layout.deferred_params import FileSource
 
 _saved = None
 
