@@ -238,7 +238,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     path = checkpoint(args.small)
-    from zeroengine.checkpoint.weight_files import WeightFiles
+    from zeroengine.checkpoint.weights.weight_files import WeightFiles
     fp32 = sum(e.numel for e in WeightFiles.open(path).entries.values()) * 4
     shard_size = fp32 // 8
     os.makedirs(ROOT, exist_ok=True)

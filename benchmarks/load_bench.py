@@ -165,7 +165,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     path = checkpoint(args.small)
-    entries = __import__("zeroengine.checkpoint.weight_files", fromlist=["x"]) \
+    entries = __import__("zeroengine.checkpoint.weights.weight_files", fromlist=["x"]) \
         .WeightFiles.open(path).entries.values()
     fp32_bytes = sum(e.numel for e in entries) * 4
     largest = max(e.numel for e in entries) * 4

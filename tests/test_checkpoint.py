@@ -474,7 +474,7 @@ def test_consolidate_writes_the_hugging_face_layout_a_file_at_a_time(tmp_path):
     writes them; the tensors equal the one-file output bitwise; --dtype casts."""
     from safetensors.torch import load_file
 
-    from zeroengine.checkpoint.weight_files import WeightFiles
+    from zeroengine.checkpoint.weights.weight_files import WeightFiles
     from zeroengine.tools.cli import main
     states = run_ranks(2, save_runs, [(3, False)], str(tmp_path))[0]
     one, many, half = tmp_path / "one", tmp_path / "many", tmp_path / "half"

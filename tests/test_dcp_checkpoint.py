@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import zeroengine
-from zeroengine.checkpoint.dcp_save import rectangles
+from zeroengine.checkpoint.interop.dcp_save import rectangles
 from zeroengine.testing import run_ranks
 
 SAVE_AT, STEPS = 3, 6

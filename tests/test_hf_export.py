@@ -13,8 +13,8 @@ import torch
 pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from zeroengine.checkpoint.hf_export import plan_files
-from zeroengine.checkpoint.weight_files import WeightFiles
+from zeroengine.checkpoint.weights.hf_export import plan_files
+from zeroengine.checkpoint.weights.weight_files import WeightFiles
 from zeroengine.testing import run_ranks
 
 VOCAB = 64

@@ -232,7 +232,7 @@ def _bytes_read(path: str):
 def test_stage3_ranks_read_only_their_slices(tmp_path):
     """Every byte of the checkpoint is read once over all ranks, none twice: each rank read
     only the elements it keeps."""
-    from zeroengine.checkpoint.weight_files import WeightFiles
+    from zeroengine.checkpoint.weights.weight_files import WeightFiles
     path = save(str(tmp_path), "llama", max_shard_size="20KB")
     entries = WeightFiles.open(path).entries.values()
     total = sum(e.numel * torch.empty(0, dtype=e.dtype).element_size() for e in entries)

@@ -131,3 +131,32 @@ def test_no_import_circle_between_the_package_folders():
     circles = sorted(f"{a} <-> {b}" for a in arrows for b in arrows[a]
                      if a < b and reaches(b, a, set()))
     assert not circles, circles
+
+
+def test_every_import_of_the_package_resolves():
+    """Each ``from <zeroengine module> import name`` in the package - the ones inside functions
+    too, which only run when that path is taken - names a module that exists and a name it
+    has: a file moved between folders cannot leave a lazy import behind."""
+    import importlib
+    missing = []
+    for path, tree in _trees():
+        # the package a relative import starts from (a folder's __init__.py: the folder itself)
+        package = ["zeroengine", *path.relative_to(PACKAGE).parent.parts]
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = package[:len(package) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else []))
+            if not target.startswith("zeroengine"):
+                continue
+            try:
+                module = importlib.import_module(target)
+            except ModuleNotFoundError as e:
+                missing.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {target} ({e})")
+                continue
+            for alias in node.names:
+                if not hasattr(module, alias.name) and importlib.util.find_spec(
+                        f"{target}.{alias.name}") is None:
+                    missing.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: "
+                                   f"{alias.name} from {target}")
+    assert not missing, missing

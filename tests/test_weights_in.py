@@ -14,7 +14,7 @@ import torch.nn as nn
 from safetensors.torch import save_file
 
 from zeroengine import WeightsError
-from zeroengine.checkpoint.weight_files import WeightFiles
+from zeroengine.checkpoint.weights.weight_files import WeightFiles
 from zeroengine.testing import run_ranks
 
 VOCAB, WIDTH = 37, 24

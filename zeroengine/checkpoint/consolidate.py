@@ -8,8 +8,8 @@ import os
 import torch
 
 from ..errors import CheckpointError
-from .hf_layout import ShardedWriter
 from .sources import open_checkpoint
+from .weights.hf_layout import ShardedWriter
 
 
 def iter_consolidated(checkpoint):

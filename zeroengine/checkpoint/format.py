@@ -34,8 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CheckpointError
-from .weight_files import DTYPES as SAFETENSORS_DTYPES
-from .weight_files import WeightFiles, WeightsError, read_header
+from .weights.weight_files import DTYPES as SAFETENSORS_DTYPES
+from .weights.weight_files import WeightFiles, WeightsError, read_header
 
 FORMAT_VERSION = 1
 META = "meta.json"

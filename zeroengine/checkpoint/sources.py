@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 
 from . import format as fmt
-from .dcp_format import DcpCheckpoint, is_dcp_checkpoint
-from .deepspeed_format import DeepSpeedCheckpoint, is_deepspeed_checkpoint
+from .interop.dcp_format import DcpCheckpoint, is_dcp_checkpoint
+from .interop.deepspeed_format import DeepSpeedCheckpoint, is_deepspeed_checkpoint
 
 
 class ZeroengineCheckpoint:

@@ -1,7 +1,7 @@
 """A ZeroEngine's states and weights to and from files: ``save_checkpoint`` /
 ``load_checkpoint`` (checkpoint/sharded.py, or DCP's layout), ``save_pretrained`` and
-``save_16bit_model`` (checkpoint/hf_export.py), and ``consolidated_state_dict``. The work is in
-checkpoint/; these are the engine's verbs for it."""
+``save_16bit_model`` (checkpoint/weights/hf_export.py), and ``consolidated_state_dict``. The
+work is in checkpoint/; these are the engine's verbs for it."""
 from __future__ import annotations
 
 import torch
@@ -39,7 +39,7 @@ class EngineCheckpoints:
                 raise NotImplementedError("save_checkpoint(format='dcp', async_save=True) is "
                                           "not supported: DCP's own save holds the loop; use "
                                           "the default format for asynchronous saves")
-            from ..checkpoint.dcp_save import save_dcp
+            from ..checkpoint.interop.dcp_save import save_dcp
             from ..checkpoint.sharded import checked_tag
             if node_local:
                 raise ValueError("save_checkpoint(format='dcp', node_local=True): DCP writes "
@@ -68,7 +68,7 @@ class EngineCheckpoints:
         Streamed: tensor by tensor, each rank writing its own files (file k: rank k mod
         world) in a thread while the next are gathered; a rank holds about one output file.
         ``dtype``: bf16/fp16/fp32 (default: the training dtype). Returns this rank's files."""
-        from ..checkpoint.hf_export import save_pretrained
+        from ..checkpoint.weights.hf_export import save_pretrained
         return save_pretrained(self, save_dir, max_shard_size, dtype)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors") -> bool:
@@ -76,7 +76,7 @@ class EngineCheckpoints:
         fp32 when that is what it trains in) as one safetensors file. At stage 3 this needs
         ``stage3_gather_16bit_weights_on_model_save`` (as in DeepSpeed); without it nothing is
         written and False is returned."""
-        from ..checkpoint.hf_export import save_16bit_model
+        from ..checkpoint.weights.hf_export import save_16bit_model
         return save_16bit_model(self, save_dir, save_filename)
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:

@@ -16,8 +16,8 @@ import sys
 def _consolidate(args) -> int:
     from ..checkpoint import consolidate
     from ..checkpoint import format as fmt
-    from ..checkpoint.hf_layout import parse_dtype, parse_size
     from ..checkpoint.sources import is_checkpoint, open_checkpoint
+    from ..checkpoint.weights.hf_layout import parse_dtype, parse_size
     if args.tag is None and is_checkpoint(args.checkpoint_dir):
         path = args.checkpoint_dir  # given the checkpoint itself rather than its save_dir
     else:

@@ -24,7 +24,7 @@ import zlib
 import torch
 import torch.nn as nn
 
-from ...checkpoint.weight_files import WeightFiles, WeightsError
+from ...checkpoint.weights.weight_files import WeightFiles, WeightsError
 from ...distributed.comm import Comm
 
 

@@ -25,7 +25,7 @@ import functools
 import os
 import warnings
 
-from ...checkpoint.weight_files import WeightFiles, read_header
+from ...checkpoint.weights.weight_files import WeightFiles, read_header
 from ..layout.deferred_params import FileSource
 
 _saved = None

@@ -17,9 +17,9 @@ import warnings
 
 import torch
 
-from . import format as fmt
+from .. import format as fmt
+from ..sharded import refuse_unsupported_layouts, unsupported_layout
 from .hf_layout import INDEX, file_names, owning, parse_dtype, parse_size, write_index
-from .sharded import refuse_unsupported_layouts, unsupported_layout
 
 
 class _Writer:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import UnsafeOrUnreadable
+from ...errors import UnsafeOrUnreadable
 
 _STORAGE_DTYPES = {
     "FloatStorage": torch.float32, "DoubleStorage": torch.float64,

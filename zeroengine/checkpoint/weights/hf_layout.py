@@ -15,7 +15,7 @@ import re
 
 import torch
 
-from .format import fsync_dir, fsync_file, write_json_atomic
+from ..format import fsync_dir, fsync_file, write_json_atomic
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

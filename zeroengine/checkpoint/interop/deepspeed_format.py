@@ -31,7 +31,7 @@ import re
 
 import torch
 
-from .format import CheckpointError
+from ..format import CheckpointError
 from .torch_pickle import LazyTensor, Record, UnsafeOrUnreadable, load_lazy, materialize
 
 # DeepSpeed's own record classes, kept as plain attributes

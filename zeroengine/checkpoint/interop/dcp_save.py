@@ -20,9 +20,9 @@ import shutil
 
 import torch
 
-from . import format as fmt
+from .. import format as fmt
+from ..format import CheckpointError
 from .dcp_format import ZEROENGINE_KEY
-from .format import CheckpointError
 
 
 def rectangles(shape, begin: int, end: int) -> list[tuple[tuple, tuple]]:
@@ -111,7 +111,7 @@ def _planner():
 
 
 def _refuse(engine) -> None:
-    from .sharded import refuse_unsupported_layouts
+    from ..sharded import refuse_unsupported_layouts
     instead = "save in zeroengine's format, which loads at any world size or stage"
     refuse_unsupported_layouts(engine, "save_checkpoint(format='dcp')", instead)
     if engine.optimizer.owned:
@@ -121,7 +121,7 @@ def _refuse(engine) -> None:
 
 
 def _state_dict(engine, names: dict, client_state: dict | None) -> dict:
-    from .sharded import _managed, counters
+    from ..sharded import _managed, counters
     module = engine.plain_module
     model: dict = {}
     state: dict = {}
@@ -182,8 +182,8 @@ def save_dcp(engine, save_dir: str, tag: str, client_state: dict | None,
     temporary directory; ``latest`` is left alone."""
     import torch.distributed.checkpoint as dcp
 
-    from .commit import agree, attempt
-    from .sharded import _names
+    from ..commit import agree, attempt
+    from ..sharded import _names
     _refuse(engine)
     engine.checkpoints.wait()  # an asynchronous save of our own format still being written
     comm, reports = engine.comm, engine.checkpoints.comm()

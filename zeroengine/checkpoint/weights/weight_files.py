@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import WeightsError
+from ...errors import WeightsError
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

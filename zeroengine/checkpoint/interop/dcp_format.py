@@ -30,7 +30,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .format import CheckpointError
+from ..format import CheckpointError
 from .torch_pickle import (
     DTYPE_NAMES,
     AllowlistUnpickler,
