@@ -89,20 +89,22 @@ def _unit(module: str) -> str | None:
     return parts[1]
 
 
+def _from_target(path: pathlib.Path, node: ast.ImportFrom) -> str:
+    """The dotted module a ``from ... import`` in ``path`` reads from (relative ones resolved
+    from the file's folder; a folder's __init__.py: the folder itself)."""
+    package = ["zeroengine", *path.relative_to(PACKAGE).parent.parts]
+    base = package[:len(package) - node.level + 1] if node.level else []
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def _imports(path: pathlib.Path, tree: ast.AST) -> set[str]:
     """Dotted names of the modules ``path`` imports (relative imports resolved)."""
-    here = ["zeroengine", *path.relative_to(PACKAGE).with_suffix("").parts]
-    if here[-1] == "__init__":
-        here = here[:-1]
-    else:
-        here = here[:-1]  # a module's relative imports start from its folder
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
-            base = here[:len(here) - node.level + 1] if node.level else []
-            target = ".".join(base + ([node.module] if node.module else []))
+            target = _from_target(path, node)
             found.add(target)
             found.update(f"{target}.{a.name}" for a in node.names)  # `from . import x`
     return found
@@ -140,13 +142,10 @@ def test_every_import_of_the_package_resolves():
     import importlib
     missing = []
     for path, tree in _trees():
-        # the package a relative import starts from (a folder's __init__.py: the folder itself)
-        package = ["zeroengine", *path.relative_to(PACKAGE).parent.parts]
         for node in ast.walk(tree):
             if not isinstance(node, ast.ImportFrom):
                 continue
-            base = package[:len(package) - node.level + 1] if node.level else []
-            target = ".".join(base + ([node.module] if node.module else []))
+            target = _from_target(path, node)
             if not target.startswith("zeroengine"):
                 continue
             try:
