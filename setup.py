@@ -82,7 +82,8 @@ if os.environ.get("ZEROENGINE_NO_EXT") != "1":
                     ("_cpu_adam_ext", "csrc/adam/cpu_adam.cpp",
                      ["-fno-math-errno", "-ffp-contract=off"]),
                     # x / scale and q * scale rounded as torch rounds them (quant_common.h)
-                    ("_quant_ext", "csrc/quant/quantize.cpp", ["-ffp-contract=off"])]:
+                    ("_quant_ext", "csrc/quant/quantize.cpp", ["-ffp-contract=off"]),
+                    ("_host_pool_ext", "csrc/host_pool/host_pool.cpp", [])]:
                 ext_modules.append(CppExtension(
                     f"zeroengine.{name}", [source],
                     extra_compile_args=["-O3", "-fopenmp", *flags],

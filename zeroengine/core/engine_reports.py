@@ -2,6 +2,7 @@
 the engine's memory at its peak) and ``comm_report`` (bytes per collective kind)."""
 from __future__ import annotations
 
+from ..ops import host_pool
 from .offload.host_memory import heap_free_bytes
 
 
@@ -24,7 +25,9 @@ class EngineReports:
         ``peak_total`` - the states held permanently plus both peaks: the engine's own
         memory at its peak (activations and autograd's temporaries are the model's). And
         ``heap_free``: bytes the C allocator holds free (glibc; resident or not), the slack
-        the process can see - see zero_optimization.return_free_host_memory.
+        the process can see - see zero_optimization.return_free_host_memory;
+        ``host_pool_cached``: free blocks the host pool keeps mapped for the next gather or
+        gradient bucket (resident; never more than its own peak of live bytes, ops/host_pool).
         ``checkpoint_staging``: the host buffers asynchronous saves copy the states into
         (kept from one save to the next; not in the totals)."""
         managed = {id(p) for p in self._managed_params()}
@@ -60,6 +63,7 @@ class EngineReports:
         report["peak_total"] = report["total"] - gathered - staging + gathered_peak + \
             self.reducer.peak_staging_bytes
         report["heap_free"] = heap_free_bytes()
+        report["host_pool_cached"] = host_pool.stats()["cached_bytes"]
         report["checkpoint_staging"] = self.checkpoints.staging_nbytes()
         if swap is not None:  # on the drive, not in memory: outside the total
             report["nvme_optimizer_states"] = swap.file_bytes()

@@ -31,6 +31,7 @@ import contextlib
 import torch
 
 from ..distributed.comm import Comm
+from ..ops import host_pool
 from .buckets import (
     Bucket,
     PassListener,
@@ -182,8 +183,8 @@ class GradReducer:
             if bucket.staging is None:
                 # Uninitialised: every byte is written by a gradient, or zeroed at launch
                 # (padding, parameters that got none) - one memory pass saved per micro-step.
-                bucket.staging = self._staged(bucket, torch.empty(
-                    seg.numel, dtype=self._reduce_dtype(g), device=g.device))
+                bucket.staging = self._staged(bucket, host_pool.empty(
+                    seg.numel, self._reduce_dtype(g), g.device))
             bucket.staging[seg.local(layout.slots[index])].copy_(param.grad.reshape(-1))
             param.grad = None
         bucket.ready.add(index)
@@ -300,8 +301,7 @@ class GradReducer:
             source = grads if dtype == g.dtype else grads.to(dtype)
         else:
             if b.staging is None:  # no parameter of this bucket got a gradient here
-                b.staging = self._staged(b, torch.zeros(seg.numel, dtype=dtype,
-                                                        device=g.device))
+                b.staging = self._staged(b, host_pool.zeros(seg.numel, dtype, g.device))
             else:
                 self._zero_unwritten(b)
             source = b.staging
@@ -316,7 +316,8 @@ class GradReducer:
         else:
             owned = self.owned_chunk(g, b.segment)
             accumulate = self.state.owned_valid[gi] and self.owned[gi] is not None
-            out = self._staged(b, torch.empty_like(owned)) if accumulate else owned
+            out = self._staged(b, host_pool.empty(owned.numel(), owned.dtype, owned.device)) \
+                if accumulate else owned
             if self.settings.quantize_block and self.hierarchy is not None:
                 b.handle = self.comm.reduce_scatter_quantized_2hop(
                     out, source, self.settings.quantize_block, *self.hierarchy, "avg",

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from ..errors import CollectiveError
 from ..handles import GATHER, REDUCE, Handle, StreamRole
-from ..ops import flatten_into, unflatten_from
+from ..ops import flatten_into, host_pool, unflatten_from
 from .quantized import QuantizedCollectives
 
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
@@ -67,6 +67,12 @@ class Comm(QuantizedCollectives):
         # ((N-1)/N of it twice over), not the (N-1)/N a reduce-scatter needs. Sending each rank
         # its chunk directly halves the bytes (measured on loopback, 2 ranks: 1.00x -> 0.50x).
         self._p2p_reduce_scatter = self.backend == "gloo"
+        # gloo's all-gather receives into a temporary flat tensor of the whole output and copies
+        # it into place afterwards: one extra copy of every gathered byte, and a transient
+        # buffer the size of each stage-3 segment allocated in gloo's thread (heap fragments
+        # the resident peak keeps). Receiving each rank's chunk straight into its slot avoids
+        # both; the bytes sent are the same as gloo's ring, (N-1)/N of the output per rank.
+        self._p2p_all_gather = self.backend == "gloo"
         self._p2p_tag = 0
 
     # -- failures -----------------------------------------------------------------------------
@@ -221,9 +227,9 @@ class Comm(QuantizedCollectives):
         n, me, world = output.numel(), self.rank, self.world_size
         chunks = input.view(-1).split(n)
         mine = chunks[me]
-        received = {r: torch.empty_like(output) for r in range(world) if r != me}
-        self._p2p_tag = (self._p2p_tag + 1) % (1 << 24)
-        tag = self._p2p_tag
+        received = {r: host_pool.empty(n, output.dtype, output.device)
+                    for r in range(world) if r != me}
+        tag = self._next_p2p_tag()
         works = []
         for step in range(1, world):  # staggered so that no rank is everyone's first peer
             to, frm = (me + step) % world, (me - step) % world
@@ -246,6 +252,25 @@ class Comm(QuantizedCollectives):
                 output.div_(world)
         return Handle(works, add)
 
+    def _next_p2p_tag(self) -> int:
+        self._p2p_tag = (self._p2p_tag + 1) % (1 << 24)
+        return self._p2p_tag
+
+    def _all_gather_p2p(self, output: torch.Tensor, input: torch.Tensor) -> Handle:
+        """All-gather as N-1 sends of our chunk and N-1 receives straight into the other ranks'
+        slots of ``output``. Always asynchronous underneath, like _reduce_scatter_p2p."""
+        n, me, world = input.numel(), self.rank, self.world_size
+        slots = output.view(-1).split(n)
+        if slots[me].data_ptr() != input.data_ptr():
+            slots[me].copy_(input.view(-1))
+        tag = self._next_p2p_tag()
+        works = []
+        for step in range(1, world):  # staggered so that no rank is everyone's first peer
+            to, frm = (me + step) % world, (me - step) % world
+            works.append(dist.isend(slots[me], self._global(to), group=self.group, tag=tag))
+            works.append(dist.irecv(slots[frm], self._global(frm), group=self.group, tag=tag))
+        return Handle(works)
+
     def _global(self, group_rank: int) -> int:
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
 
@@ -263,6 +288,12 @@ class Comm(QuantizedCollectives):
     def _all_gather_any(self, output: torch.Tensor, input: torch.Tensor,
                         async_op: bool, kind: str = "all_gather") -> Handle:
         self._count(kind, output.numel() * output.element_size(), 1.0)
+        if self._p2p_all_gather and output.is_contiguous() and input.is_contiguous() \
+                and output.numel() == input.numel() * self.world_size:
+            handle = self._all_gather_p2p(output, input)
+            if not async_op:
+                handle.wait()
+            return handle
         if self._all_gather is not None:
             try:
                 return Handle(self._all_gather(output, input, group=self.group,

@@ -1,8 +1,8 @@
 """Finding the compiled extensions of csrc/, in one place; every caller falls back to PyTorch
 when a loader returns None.
 
-- CPU extensions (``_cpu_adam_ext``, ``_flatten_ext``, ``_quant_ext``, and ``_aio_ext``, the
-  NVMe reader/writer, loaded by ops/aio.py): built ahead of time by setup.py and
+- CPU extensions (``_cpu_adam_ext``, ``_flatten_ext``, ``_quant_ext``, ``_host_pool_ext``,
+  and ``_aio_ext``, the NVMe reader/writer, loaded by ops/aio.py): built ahead of time by setup.py and
   never compiled at run time (a CPU-only install must not need a compiler to start). A missing
   one is reported once, with how to build it.
 - CUDA kernels (``_cuda_ext``): the build setup.py made; else, on a machine with a GPU and nvcc,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from ...ops import host_pool
 from ..optim.precision import FP32_MASTER, LOW_MASTER, REMAINDER_MASTER
 from .master_bits import join_master, split_master
 from .partition import FlatBuffer, FlatLayout, shard_segment_views
@@ -116,7 +117,7 @@ class FlatParamGroup:
             # (even views such as weight.t()) are valid again once the segment is re-gathered.
             self.segment_full = []
             for seg in self.layout.segments:
-                full = torch.empty(seg.numel, dtype=self.dtype, device=device)
+                full = host_pool.empty(seg.numel, self.dtype, device)
                 for i in seg.params:
                     slot = self.layout.slots[i]
                     params[i].data = full[seg.local(slot)].view(slot.shape)

@@ -51,10 +51,10 @@ _LIBC = _glibc()
 def return_free_heap() -> bool:
     """Give the pages malloc holds free back to the system (glibc's malloc_trim(0), which
     also releases whole free pages inside the heap). Why: a training step frees many tensors
-    of many sizes - activations, gradients, stage 3's gathered segments - and glibc, once a
-    large block has been freed, serves blocks up to 32 MB from its heap instead of fresh
-    mappings, so freed memory stays resident as fragments; measured on the 25M GPT at stage 3
-    that was ~200 MB per rank of resident memory no tensor held. Called once per optimizer
+    of many sizes - activations, the gradients autograd makes - and glibc, once a large block
+    has been freed, serves blocks up to 32 MB from its heap instead of fresh mappings, so
+    freed memory stays resident as fragments (stage 3's gathered segments and gradient
+    staging are kept apart in ops/host_pool for that reason). Called once per optimizer
     step where host memory holds the training state (~10-20 ms a call on that heap).
     False where the C library is not glibc."""
     if _LIBC is None:
