@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CheckpointError
+from .direct_file import SequentialFile
 from .weights.weight_files import DTYPES as SAFETENSORS_DTYPES
 from .weights.weight_files import WeightFiles, WeightsError, read_header
 
@@ -242,6 +243,32 @@ def locate(group: dict, flat_begin: int, numel: int) -> list[Piece]:
     return pieces
 
 
+def safetensors_head(specs: list[tuple[str, torch.dtype, int | tuple]],
+                     metadata: dict[str, str] | None = None) -> tuple[bytes, dict, int]:
+    """(the file's first bytes - length and JSON header -, {name: (data offset, itemsize,
+    dtype)}, bytes of data) of a safetensors file of ``specs``, in their order."""
+    header, where, end = {}, {}, 0
+    if metadata:
+        header["__metadata__"] = metadata
+    for name, dtype, shape in specs:
+        shape = [shape] if isinstance(shape, int) else list(shape)
+        numel = math.prod(shape)
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        header[name] = {"dtype": StreamedSafetensors._DTYPES[dtype], "shape": shape,
+                        "data_offsets": [end, end + numel * itemsize]}
+        where[name] = (end, itemsize, dtype)
+        end += numel * itemsize
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    return struct.pack("<Q", len(text)) + text, where, end
+
+
+def tensor_bytes(values: torch.Tensor, dtype: torch.dtype | None = None) -> memoryview:
+    """The bytes of ``values`` (in ``dtype``), on the host, as a flat memoryview."""
+    return memoryview(values.detach().to("cpu", dtype or values.dtype).contiguous().reshape(-1)
+                      .view(torch.uint8).numpy())
+
+
 class StreamedSafetensors:
     """A safetensors file written in place a range at a time: the header (every tensor's name,
     dtype and length) first, then each range where it belongs, so no tensor has to be whole in
@@ -255,23 +282,10 @@ class StreamedSafetensors:
         """``specs``: (name, dtype, numel or shape) of every tensor (a numel: 1-D);
         ``metadata``: the header's ``__metadata__`` (transformers wants {"format": "pt"});
         ``checksum``: a kind to compute while writing (``digest()``)."""
-        header, self._where, end = {}, {}, 0
-        if metadata:
-            header["__metadata__"] = metadata
-        for name, dtype, shape in specs:
-            shape = [shape] if isinstance(shape, int) else list(shape)
-            numel = math.prod(shape)
-            itemsize = torch.empty(0, dtype=dtype).element_size()
-            header[name] = {"dtype": self._DTYPES[dtype], "shape": shape,
-                            "data_offsets": [end, end + numel * itemsize]}
-            self._where[name] = (end, itemsize, dtype)
-            end += numel * itemsize
-        text = json.dumps(header, separators=(",", ":")).encode()
-        text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+        head, self._where, end = safetensors_head(specs, metadata)
         self.path = path
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        head = struct.pack("<Q", len(text)) + text
-        self._start = 8 + len(text)
+        self._start = len(head)
         self._end = self._start + end
         # written front to back (every whole save), the file's checksum is computed on the way
         # instead of reading the file back; any other order falls back to reading it
@@ -296,9 +310,7 @@ class StreamedSafetensors:
 
     def write(self, name: str, element_offset: int, values: torch.Tensor) -> None:
         begin, itemsize, dtype = self._where[name]
-        data = memoryview(values.detach().to("cpu", dtype).contiguous().reshape(-1)
-                          .view(torch.uint8).numpy())
-        self._pwrite(data, self._start + begin + element_offset * itemsize)
+        self._pwrite(tensor_bytes(values, dtype), self._start + begin + element_offset * itemsize)
 
     def digest(self) -> str | None:
         """The file's checksum when every byte was written in order, else None."""
@@ -334,12 +346,24 @@ def write_streamed(path: str, specs: list, fill) -> str:
 
 
 def write_safetensors(path: str, tensors: dict[str, torch.Tensor]) -> str:
-    """``tensors`` as a safetensors file at ``path`` (write_streamed, in dict order)."""
-    def fill(writer):
-        for name, value in tensors.items():
-            writer.write(name, 0, value)
-    return write_streamed(path, [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()],
-                          fill)
+    """``tensors`` as a safetensors file at ``path`` (in dict order), written front to back
+    around the page cache where the filesystem allows (direct_file.py: the least CPU, which a
+    save in the background takes from training) and fsynced; returns its checksum."""
+    head, _, _ = safetensors_head([(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()])
+    digest = Checksum()
+    try:
+        out = SequentialFile(path)
+        try:
+            for data in [memoryview(head)] + [tensor_bytes(t) for t in tensors.values()]:
+                digest.update(data)
+                out.write(data)
+            out.finish()
+            fsync_fd(out.fileno())
+        finally:
+            out.close()
+    except OSError as err:
+        raise _named(path, err) from None
+    return digest.hexdigest()
 
 
 def write_bytes(path: str, data: bytes) -> str:
