@@ -10,6 +10,7 @@ import resource
 import signal
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis_profiles import examples
@@ -42,7 +43,9 @@ def test_bytes_are_the_bytes_given(tmp_path_factory, lengths):
     try:
         pieces = [os.urandom(n) for n in lengths]
         path = tmp_path_factory.mktemp("direct") / "f"
-        out = write_pieces(path, pieces)
+        # every other piece as a tensor (how a rank file's values come), the rest as bytes
+        out = write_pieces(path, [torch.frombuffer(bytearray(p), dtype=torch.uint8) if i % 2
+                                  and p else p for i, p in enumerate(pieces)])
     finally:
         direct_file.BOUNCE = saved
     assert out.direct, "O_DIRECT was refused on the test's filesystem: the fallback ran instead"

@@ -19,6 +19,8 @@ import fcntl
 import mmap
 import os
 
+import torch
+
 ALIGN = 4096  # what O_DIRECT needs of offsets, lengths and addresses on every Linux disk
 BOUNCE = 8 << 20  # bytes per write: large enough that the syscalls cost nothing
 
@@ -44,6 +46,10 @@ class SequentialFile:
             self._fd = os.open(path, flags, 0o644)
         self._buf = mmap.mmap(-1, BOUNCE) if self.direct else None  # page-aligned
         self._view = memoryview(self._buf) if self.direct else None
+        # copies into the buffer go through torch, which lets go of the GIL while it copies: a
+        # save writes in a background thread, and a memcpy under the GIL stalls the training
+        # thread for its length (measured: ~0.5 s a save on the first step after it)
+        self._bounce = torch.frombuffer(self._buf, dtype=torch.uint8) if self.direct else None
         self._fill = 0  # bytes in the bounce buffer, to be written at self._at
         self._at = 0
 
@@ -51,20 +57,29 @@ class SequentialFile:
         return self._fd
 
     def write(self, data) -> None:
-        data = memoryview(data).cast("B")
+        """Append ``data``: bytes-like, or a flat uint8 CPU tensor."""
         if not self.direct:
+            if isinstance(data, torch.Tensor):
+                data = data.numpy()
+            data = memoryview(data).cast("B")
             _pwrite_all(self._fd, data, self.size)
             self.size += len(data)
             return
-        pos = 0
-        while pos < len(data):
-            n = min(BOUNCE - self._fill, len(data) - pos)
-            self._view[self._fill:self._fill + n] = data[pos:pos + n]
+        tensor = isinstance(data, torch.Tensor)
+        if not tensor:  # small (a header): copied under the GIL
+            data = memoryview(data).cast("B")
+        pos, total = 0, data.numel() if tensor else len(data)
+        while pos < total:
+            n = min(BOUNCE - self._fill, total - pos)
+            if tensor:
+                self._bounce[self._fill:self._fill + n].copy_(data[pos:pos + n])
+            else:
+                self._view[self._fill:self._fill + n] = data[pos:pos + n]
             self._fill += n
             pos += n
             if self._fill == BOUNCE:
                 self._flush(BOUNCE)
-        self.size += len(data)
+        self.size += total
 
     def finish(self) -> None:
         """Write what is buffered; the file is then exactly ``size`` bytes long."""
@@ -86,6 +101,7 @@ class SequentialFile:
 
     def close(self) -> None:
         if self._view is not None:
+            self._bounce = None
             self._view.release()
             try:
                 self._buf.close()

@@ -263,10 +263,10 @@ def safetensors_head(specs: list[tuple[str, torch.dtype, int | tuple]],
     return struct.pack("<Q", len(text)) + text, where, end
 
 
-def tensor_bytes(values: torch.Tensor, dtype: torch.dtype | None = None) -> memoryview:
-    """The bytes of ``values`` (in ``dtype``), on the host, as a flat memoryview."""
-    return memoryview(values.detach().to("cpu", dtype or values.dtype).contiguous().reshape(-1)
-                      .view(torch.uint8).numpy())
+def tensor_bytes(values: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The bytes of ``values`` (in ``dtype``), on the host, as a flat uint8 tensor."""
+    return values.detach().to("cpu", dtype or values.dtype).contiguous().reshape(-1) \
+        .view(torch.uint8)
 
 
 class StreamedSafetensors:
@@ -310,7 +310,8 @@ class StreamedSafetensors:
 
     def write(self, name: str, element_offset: int, values: torch.Tensor) -> None:
         begin, itemsize, dtype = self._where[name]
-        self._pwrite(tensor_bytes(values, dtype), self._start + begin + element_offset * itemsize)
+        self._pwrite(memoryview(tensor_bytes(values, dtype).numpy()),
+                     self._start + begin + element_offset * itemsize)
 
     def digest(self) -> str | None:
         """The file's checksum when every byte was written in order, else None."""
@@ -354,8 +355,11 @@ def write_safetensors(path: str, tensors: dict[str, torch.Tensor]) -> str:
     try:
         out = SequentialFile(path)
         try:
-            for data in [memoryview(head)] + [tensor_bytes(t) for t in tensors.values()]:
-                digest.update(data)
+            digest.update(head)
+            out.write(head)
+            for t in tensors.values():
+                data = tensor_bytes(t)
+                digest.update(memoryview(data.numpy()))  # zlib lets go of the GIL
                 out.write(data)
             out.finish()
             fsync_fd(out.fileno())

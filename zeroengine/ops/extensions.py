@@ -2,9 +2,9 @@
 when a loader returns None.
 
 - CPU extensions (``_cpu_adam_ext``, ``_flatten_ext``, ``_quant_ext``, ``_host_pool_ext``,
-  and ``_aio_ext``, the NVMe reader/writer, loaded by ops/aio.py): built ahead of time by setup.py and
-  never compiled at run time (a CPU-only install must not need a compiler to start). A missing
-  one is reported once, with how to build it.
+  and ``_aio_ext``, the NVMe reader/writer, loaded by ops/aio.py): built ahead of time by
+  setup.py and never compiled at run time (a CPU-only install must not need a compiler to
+  start). A missing one is reported once, with how to build it.
 - CUDA kernels (``_cuda_ext``): the build setup.py made; else, on a machine with a GPU and nvcc,
   a JIT build of the same sources with torch.utils.cpp_extension.load (cached by torch under
   ~/.cache/torch_extensions, so only the first process pays the ~1-2 minutes); else None.
