@@ -4,10 +4,10 @@
 // Why: those buffers are freed and allocated again every step, the same sizes each time, with
 // the model's activations allocated in between. Through malloc, a freed 4 MB segment's hole is
 // taken by activations and the next gather of that segment extends the heap: the resident peak
-// grows by what the heap cannot give back (measured: ~100 MB per rank above the live bytes on
-// the 25M GPT at stage 3, more than DDP's). glibc's mmap threshold would keep them apart but
-// rises to the largest freed block, and a lower fixed threshold re-faults every page each step
-// (~20% step time here).
+// grows by what the heap cannot give back (on the 25M GPT at stage 3 this pool took ~20 MB per
+// rank off the peak; the rest of stage 3's excess was gloo's all-gather temporary, see
+// distributed/comm.py). glibc's mmap threshold would keep them apart but rises to the largest
+// freed block, and a lower fixed threshold re-faults every page each step (~20% step time).
 //
 // How: each buffer is one private anonymous mapping, kept (resident) when freed and handed out
 // again to the next request of the same page-rounded size. The pool never maps more than the
