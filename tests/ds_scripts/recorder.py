@@ -78,6 +78,17 @@ def _digest(ds, engine, engine_name: str) -> dict:
     return out
 
 
+def _allow_cpu_fp16():
+    """DeepSpeed's CPU accelerator refuses fp16 ("Type fp16 is not supported on your device")
+    unless oneDNN has fp16 kernels for the CPU (AVX512-FP16 or AMX), although torch computes
+    fp16 on any CPU, only slower. On a CPU without them the reference run would not exist: let
+    DeepSpeed's check pass, so both engines run the same fp16 script on every machine."""
+    from deepspeed.accelerator import get_accelerator
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cpu" and not accelerator.is_fp16_supported():
+        type(accelerator).is_fp16_supported = lambda self: True
+
+
 def main():
     argv = sys.argv[1:]
     local = [a for a in argv if a.startswith("--local_rank=")]
@@ -85,6 +96,8 @@ def main():
     out, engine_name, script, script_args = argv[0], argv[1], argv[2], argv[3:]
     ds = importlib.import_module("deepspeed" if engine_name == "deepspeed"
                                  else "zeroengine.deepspeed")
+    if engine_name == "deepspeed":
+        _allow_cpu_fp16()
     losses, engines, steps, loads = [], [], [], []
     record_state = os.environ.get("RECORD_STATE") == "1"
     if os.environ.get("RECORD_FIXED_CLOCK") == "1":
