@@ -62,7 +62,7 @@ class SequentialFile:
             if isinstance(data, torch.Tensor):
                 data = data.numpy()
             data = memoryview(data).cast("B")
-            _pwrite_all(self._fd, data, self.size)
+            pwrite_all(self._fd, data, self.size)
             self.size += len(data)
             return
         tensor = isinstance(data, torch.Tensor)
@@ -95,7 +95,7 @@ class SequentialFile:
                 raise
             # the padding crossed a file-size limit the data itself keeps within
             self._buffered()
-            _pwrite_all(self._fd, self._view[:tail], self._at)
+            pwrite_all(self._fd, self._view[:tail], self._at)
             self._fill = 0
         os.ftruncate(self._fd, self.size)
 
@@ -114,12 +114,12 @@ class SequentialFile:
 
     def _flush(self, length: int) -> None:
         try:
-            _pwrite_all(self._fd, self._view[:length], self._at)
+            pwrite_all(self._fd, self._view[:length], self._at)
         except OSError as err:
             if err.errno != errno.EINVAL:
                 raise
             self._buffered()  # O_DIRECT accepted at open, refused at the write
-            _pwrite_all(self._fd, self._view[:length], self._at)
+            pwrite_all(self._fd, self._view[:length], self._at)
         self._at += length
         self._fill = 0
 
@@ -128,7 +128,8 @@ class SequentialFile:
                     fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~getattr(os, "O_DIRECT", 0))
 
 
-def _pwrite_all(fd: int, data: memoryview, at: int) -> None:
+def pwrite_all(fd: int, data: memoryview, at: int) -> None:
+    """os.pwrite until every byte of ``data`` is written at ``at`` (it may write fewer)."""
     done = 0
     while done < len(data):
         done += os.pwrite(fd, data[done:], at + done)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CheckpointError
-from .direct_file import SequentialFile
+from .direct_file import SequentialFile, pwrite_all
 from .weights.weight_files import DTYPES as SAFETENSORS_DTYPES
 from .weights.weight_files import WeightFiles, WeightsError, read_header
 
@@ -304,9 +304,7 @@ class StreamedSafetensors:
             self._next += len(data)
         elif len(data):
             self._hash = None
-        done = 0
-        while done < len(data):
-            done += os.pwrite(self._fd, data[done:], at + done)
+        pwrite_all(self._fd, data, at)
 
     def write(self, name: str, element_offset: int, values: torch.Tensor) -> None:
         begin, itemsize, dtype = self._where[name]
