@@ -135,3 +135,66 @@ def test_kernel_within_one_ulp_of_the_reference(lr, beta1, beta2, eps, weight_de
                           reference[0].abs())
     excess = (kernel[0] - reference[0]).abs() - ulp_of(scale)
     assert excess.max() <= 0, f"param: {float(excess.max()):.3g} past one ulp"
+
+
+# -- the 16-bit step's AVX2 kernel (csrc/adam/mixed_avx2.h) against mixed_range ---------------
+MIXED_LAYOUTS = [  # (master, moments, gradient, copy-out) the AVX2 kernel takes
+    (torch.float32, torch.bfloat16, torch.float32, None),
+    (torch.float32, torch.bfloat16, torch.float32, torch.bfloat16),
+    (torch.bfloat16, torch.float32, torch.float32, None),
+    (torch.bfloat16, torch.float32, torch.bfloat16, None),
+    (torch.bfloat16, torch.bfloat16, torch.float32, None),
+    (torch.bfloat16, torch.bfloat16, torch.bfloat16, None),
+]
+
+
+def _special_values(t: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """Sprinkle NaN, +-inf, +-0, huge (rounding carries into the exponent) and subnormal
+    values over ``t``."""
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 3.3e38,
+                             -3.3e38, 1e-40, 1.00390625, 1.01171875])  # last two: bf16 ties
+    where = torch.randint(0, t.numel(), (max(1, t.numel() // 20),), generator=g)
+    t.view(-1)[where] = specials[torch.randint(0, len(specials), where.shape, generator=g)].to(
+        t.dtype)
+    return t
+
+
+def _mixed_step(layout, n, stochastic, runs, seed, avx2: bool, lerp_beta1: float):
+    ext = cpu_adam._ext
+    pd, sd, gd, low_dtype = layout
+    g = torch.Generator().manual_seed(seed)
+    p = _special_values(torch.randn(n, generator=g).to(pd), g)
+    grad = _special_values(torch.randn(n, generator=g).to(gd), g)
+    m = (torch.randn(n, generator=g) * 0.1).to(sd)
+    v = (torch.rand(n, generator=g) * 0.01).to(sd)
+    low = torch.empty(n, dtype=low_dtype) if low_dtype is not None else None
+    was = ext.use_avx2(avx2)
+    try:
+        built = ext.adam_step_mixed(p, grad, m, v, 1e-2, lerp_beta1, 0.95, 1e-8, 0.1, 3, True,
+                                    True, 0.5, stochastic, 1234, runs, low)
+    finally:
+        ext.use_avx2(was)
+    assert built
+    return [t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+            for t in (p, m, v, *([low] if low is not None else []))]
+
+
+@pytest.mark.skipif(not (cpu_adam.using_extension() and cpu_adam._ext.avx2_available()),
+                    reason="this CPU has no AVX2: the kernel is not used here")
+@settings(max_examples=examples(60), deadline=None)
+@given(layout=st.sampled_from(MIXED_LAYOUTS), n=st.sampled_from([16, 17, 31, 48, 1000, 40_001]),
+       stochastic=st.booleans(), split=st.booleans(), seed=st.integers(0, 2 ** 16),
+       beta1=st.sampled_from([0.9, 0.3]))
+def test_avx2_kernel_is_bitwise_the_vectorised_loop(layout, n, stochastic, split, seed, beta1):
+    """Both of torch's lerp forms, both roundings, runs that start mid-block and at model
+    indices crossing 2^32, NaN/inf/ties/subnormals: every output bit equal."""
+    if stochastic and layout[0] != torch.bfloat16 and layout[1] != torch.bfloat16:
+        stochastic = False
+    runs = None
+    if split:
+        a = n // 3
+        runs = torch.tensor([[0, a, 2 ** 32 - 7], [a, n - a, 5]], dtype=torch.int64)
+    ours = _mixed_step(layout, n, stochastic, runs, seed, True, beta1)
+    loop = _mixed_step(layout, n, stochastic, runs, seed, False, beta1)
+    for a, b in zip(ours, loop):
+        assert torch.equal(a, b)

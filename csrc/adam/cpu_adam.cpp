@@ -22,6 +22,7 @@
 
 #include "../common/adam_coefficients.h"
 #include "../common/stochastic_rounding.h"
+#include "mixed_avx2.h"
 
 namespace {
 
@@ -190,6 +191,50 @@ struct MixedArgs {
   RoundingKeys keys;
 };
 
+// -- the AVX2 path (mixed_avx2.h has the why) --------------------------------------------------
+bool avx2_enabled = true;  // tests switch it off to compare the two paths (use_avx2 below)
+
+#ifdef ZE_HAVE_AVX2_PATH
+template <typename K> struct Avx2Kind { using type = void; };
+template <> struct Avx2Kind<F32> { using type = zeroengine::avx2::F32; };
+template <> struct Avx2Kind<BF16> { using type = zeroengine::avx2::BF16; };
+#endif
+
+// Runs the whole 16-element blocks of [b, end) through the AVX2 kernel where this CPU and the
+// storage kinds allow (fp32/bf16 everywhere, a bf16 copy-out or none) and returns how many
+// elements it did; 0 leaves everything to mixed_range.
+template <typename PT, typename ST, typename GT, typename LowT, bool kStoch>
+int64_t avx2_blocks(const MixedArgs& a, int64_t b, int64_t end, uint64_t first,
+                    const RoundingKeys& keys) {
+#ifdef ZE_HAVE_AVX2_PATH
+  using P = typename Avx2Kind<PT>::type;
+  using S = typename Avx2Kind<ST>::type;
+  using G = typename Avx2Kind<GT>::type;
+  constexpr bool kLow = std::is_same_v<LowT, ToBFloat16>;
+  if constexpr (!std::is_void_v<P> && !std::is_void_v<S> && !std::is_void_v<G> &&
+                (kLow || std::is_same_v<LowT, NoLow>)) {
+    const int64_t blocks = (end - b) / 16;
+    if (!avx2_enabled || blocks == 0 || !zeroengine::avx2::supported()) return 0;
+    auto* p = static_cast<typename PT::T*>(a.p);
+    auto* g = static_cast<const typename GT::T*>(a.g);
+    auto* m = static_cast<typename ST::T*>(a.m);
+    auto* v = static_cast<typename ST::T*>(a.v);
+    const auto index = static_cast<uint32_t>(first);
+    if (a.c.lerp_from_m) {
+      zeroengine::avx2::range<P, S, G, kLow, kStoch, true>(
+          p, g, m, v, a.low, b, blocks, index, a.c, a.grad_coef, keys.param, keys.exp_avg,
+          keys.exp_avg_sq);
+    } else {
+      zeroengine::avx2::range<P, S, G, kLow, kStoch, false>(
+          p, g, m, v, a.low, b, blocks, index, a.c, a.grad_coef, keys.param, keys.exp_avg,
+          keys.exp_avg_sq);
+    }
+    return 16 * blocks;
+  }
+#endif
+  return 0;
+}
+
 // Elements [begin, begin + n) of the buffers, the first one at ``index0`` in the model.
 template <typename PT, typename ST, typename GT, typename LowT, bool kStoch>
 void mixed_run(const MixedArgs& a, int64_t begin, int64_t n, uint64_t index0) {
@@ -199,7 +244,7 @@ void mixed_run(const MixedArgs& a, int64_t begin, int64_t n, uint64_t index0) {
   auto* v = static_cast<typename ST::T*>(a.v);
   at::parallel_for(begin, begin + n, 1 << 15, [&](int64_t b, int64_t e) {
     while (b < e) {  // pieces within one 2^32 block of model indices (almost always one)
-      const uint64_t first = index0 + static_cast<uint64_t>(b - begin);
+      uint64_t first = index0 + static_cast<uint64_t>(b - begin);
       const uint64_t block_left = (uint64_t{1} << 32) - (first & 0xFFFFFFFFu);
       const int64_t end = static_cast<uint64_t>(e - b) > block_left
           ? b + static_cast<int64_t>(block_left) : e;
@@ -210,6 +255,9 @@ void mixed_run(const MixedArgs& a, int64_t begin, int64_t n, uint64_t index0) {
                 zeroengine::fmix32(a.keys.exp_avg ^ upper),
                 zeroengine::fmix32(a.keys.exp_avg_sq ^ upper)};
       }
+      const int64_t vectorised = avx2_blocks<PT, ST, GT, LowT, kStoch>(a, b, end, first, keys);
+      b += vectorised;  // the rest (under 16 elements, or all without AVX2) below
+      first += static_cast<uint64_t>(vectorised);
       if (a.c.lerp_from_m) {
         mixed_range<PT, ST, GT, LowT, kStoch, true>(p, g, m, v, a.low, b, end, first, a.c,
                                                     a.grad_coef, keys);
@@ -433,6 +481,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight_decay"), py::arg("step"), py::arg("adamw"), py::arg("bias_correction"),
         py::arg("grad_coef"), py::arg("stochastic"), py::arg("seed"),
         py::arg("runs") = py::none(), py::arg("low") = py::none());
+  m.def("use_avx2", [](bool on) { const bool was = avx2_enabled; avx2_enabled = on; return was; },
+        "switch adam_step_mixed's AVX2 kernel on or off (tests); returns the previous setting",
+        py::arg("on"));
+  m.def("avx2_available", []() {
+#ifdef ZE_HAVE_AVX2_PATH
+    return zeroengine::avx2::supported();
+#else
+    return false;
+#endif
+  }, "whether adam_step_mixed has its AVX2 kernel on this CPU");
   m.def("split_master", &split_master, "fp32 master -> bf16 weight + int16 remainder",
         py::arg("master"), py::arg("weight"), py::arg("remainder"));
   m.def("join_master", &join_master, "bf16 weight + int16 remainder -> fp32 master",
