@@ -31,7 +31,8 @@ $(STAMP): $(SOURCES)
 setup: $(STAMP)
 
 test: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+	# the slowest tests are listed at the end: the suite has to stay well inside CI's 90 minutes
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=40 tests
 
 # the tests that stay in the pytest process (tests/conftest.py marks them): ~30 s
 test-fast: setup
