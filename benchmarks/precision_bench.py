@@ -151,6 +151,14 @@ def adam(args) -> None:
             steps[name] = (lambda o=opt: o.step())
         else:
             steps[name] = (lambda o=opt, p=p, g=g, r=runs: o.step(grads={p: g}, index_runs=r))
+    from zeroengine.ops import cpu_adam
+    ext = cpu_adam._ext if cpu_adam.using_extension() else None
+    if ext is not None and ext.avx2_available():
+        # the same step through the compiler-vectorised loop (what ran before the AVX2 kernel)
+        name = "bf16 master + bf16 moments, without the AVX2 kernel"
+        layouts[name] = layouts["bf16 master + bf16 moments"]
+        with_kernel = steps["bf16 master + bf16 moments"]
+        steps[name] = lambda: (ext.use_avx2(False), with_kernel(), ext.use_avx2(True))
     ms = interleaved_ms(steps, args.repeats)
     base_ms = ms["fp32 master + fp32 moments"]
     print(f"\nCPUAdam over {n / 1e6:.1f}M elements (one rank's shard of a 25M model at 2 ranks"

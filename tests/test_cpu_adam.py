@@ -180,7 +180,7 @@ def _mixed_step(layout, n, stochastic, runs, seed, avx2: bool, lerp_beta1: float
 
 
 @pytest.mark.skipif(not (cpu_adam.using_extension() and cpu_adam._ext.avx2_available()),
-                    reason="this CPU has no AVX2: the kernel is not used here")
+                    reason="the kernel is used on AVX2 CPUs without AVX-512 only, not here")
 @settings(max_examples=examples(60), deadline=None)
 @given(layout=st.sampled_from(MIXED_LAYOUTS), n=st.sampled_from([16, 17, 31, 48, 1000, 40_001]),
        stochastic=st.booleans(), split=st.booleans(), seed=st.integers(0, 2 ** 16),
