@@ -12,7 +12,8 @@ LOOP=$(losetup -f --show "$IMG")
 mkfs.ext4 -q "$LOOP"
 mkdir -p "$DIR"
 mount "$LOOP" "$DIR"
-DEV=$(stat -c '%t:%T' "$LOOP" | awk -F: '{printf "%d:%d", strtonum("0x"$1), strtonum("0x"$2)}')
+# major:minor in decimal (stat prints them in hex; shell arithmetic, not gawk's strtonum)
+DEV="$(( 0x$(stat -c '%t' "$LOOP") )):$(( 0x$(stat -c '%T' "$LOOP") ))"
 if [ -w /sys/fs/cgroup/blkio/blkio.throttle.write_bps_device ]; then
     echo "$DEV $BPS" > /sys/fs/cgroup/blkio/blkio.throttle.write_bps_device
 else  # cgroup v2
