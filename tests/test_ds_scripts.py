@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import warnings
 
 import pytest
@@ -68,6 +69,29 @@ TEARDOWN_ABORT = "terminate called without an active exception"
 REFERENCE_RETRIES = {"deepspeed": 1, "zeroengine": 0}
 
 
+def clear_stale_extension_locks(max_age_s: float = 900.0) -> None:
+    """DeepSpeed JIT-compiles its ops (fused_adam, the CPU shm all-reduce) through torch's
+    cpp_extension, which takes a ``lock`` file in the build directory and waits forever while
+    one exists. A run killed mid-compile (a hung run this harness killed, a cancelled CI) leaves
+    it behind, and every later DeepSpeed run then hangs in initialize(). No compile here takes
+    minutes: a lock that old is stale and goes (with a warning saying which)."""
+    from torch.utils.cpp_extension import get_default_build_root
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    if not os.path.isdir(root):
+        return
+    now = time.time()
+    for folder, _, files in os.walk(root):
+        if "lock" in files:
+            lock = os.path.join(folder, "lock")
+            try:
+                if now - os.path.getmtime(lock) > max_age_s:
+                    os.unlink(lock)
+                    warnings.warn(f"removed a stale torch extension build lock: {lock}",
+                                  stacklevel=2)
+            except OSError:  # gone meanwhile: a compile finished
+                pass
+
+
 def launch(script: str, args: list[str], cwd: str, engine: str, timeout: int = 600,
            expect_failure: bool = False, result: str | None = None,
            env: dict | None = None) -> str:
@@ -79,6 +103,7 @@ def launch(script: str, args: list[str], cwd: str, engine: str, timeout: int = 6
                [os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]), **(env or {})}
     hangs, port_taken = 0, False
     while True:
+        clear_stale_extension_locks()
         cmd = [sys.executable, "-m", "zeroengine.tools.launch", "--num_gpus", "2",
                "--master_port", str(free_port()), script, *args]
         done = run_process_tree(cmd, cwd=cwd, env=env, timeout=timeout)
