@@ -69,12 +69,13 @@ TEARDOWN_ABORT = "terminate called without an active exception"
 REFERENCE_RETRIES = {"deepspeed": 1, "zeroengine": 0}
 
 
-def clear_stale_extension_locks(max_age_s: float = 900.0) -> None:
+def clear_stale_extension_locks(max_age_s: float = 900.0, since: float | None = None) -> None:
     """DeepSpeed JIT-compiles its ops (fused_adam, the CPU shm all-reduce) through torch's
     cpp_extension, which takes a ``lock`` file in the build directory and waits forever while
     one exists. A run killed mid-compile (a hung run this harness killed, a cancelled CI) leaves
     it behind, and every later DeepSpeed run then hangs in initialize(). No compile here takes
-    minutes: a lock that old is stale and goes (with a warning saying which)."""
+    minutes: a lock that old is stale and goes (with a warning saying which). ``since``: also
+    every lock taken after that time (by a run this harness just killed)."""
     from torch.utils.cpp_extension import get_default_build_root
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
     if not os.path.isdir(root):
@@ -84,7 +85,8 @@ def clear_stale_extension_locks(max_age_s: float = 900.0) -> None:
         if "lock" in files:
             lock = os.path.join(folder, "lock")
             try:
-                if now - os.path.getmtime(lock) > max_age_s:
+                taken = os.path.getmtime(lock)
+                if now - taken > max_age_s or (since is not None and taken >= since):
                     os.unlink(lock)
                     warnings.warn(f"removed a stale torch extension build lock: {lock}",
                                   stacklevel=2)
@@ -106,9 +108,11 @@ def launch(script: str, args: list[str], cwd: str, engine: str, timeout: int = 6
         clear_stale_extension_locks()
         cmd = [sys.executable, "-m", "zeroengine.tools.launch", "--num_gpus", "2",
                "--master_port", str(free_port()), script, *args]
+        started = time.time()
         done = run_process_tree(cmd, cwd=cwd, env=env, timeout=timeout)
         output = done.output
         if done.timed_out:
+            clear_stale_extension_locks(since=started)  # the killed run's, if it compiled
             assert hangs < REFERENCE_RETRIES[engine], \
                 f"{engine} run hung past {timeout} s; where it stood:\n{output[-12000:]}"
             hangs += 1
